@@ -1,0 +1,188 @@
+"""Read a V4 checkpoint directory (HF layout) into logical tensors.
+
+The directory holds ``config.json`` and either ``model.safetensors.index.json`` with its shards or
+a single ``model.safetensors``. Every tensor that ``schema.checkpoint_tensors`` lists must be there
+with its stored shape and dtype; fp8 and fp4 weights are dequantised with their ``.scale``
+companions. Tensors that the schema does not list are ignored, since real checkpoints may carry more.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+
+from ..config import V4Config
+from ..quant import dequantize_fp4_packed, dequantize_fp8_blockwise
+from .schema import Storage, TensorSpec, checkpoint_tensors
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype tags -> torch dtypes (the ones a checkpoint may plausibly hold).
+_SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+_MAX_LISTED_PROBLEMS = 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read, with the offending file or tensor named."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: its config and its logical (dequantised) tensors by schema name."""
+
+    config: V4Config
+    tensors: dict[str, torch.Tensor]
+    path: Path
+
+
+def stored_dtypes(spec: TensorSpec) -> dict[str, torch.dtype]:
+    """Checkpoint names -> stored dtypes of one logical tensor (the weight and its scale)."""
+    if spec.storage is Storage.FP8:
+        return {spec.name: torch.float8_e4m3fn, spec.scale_name: torch.float8_e8m0fnu}
+    if spec.storage is Storage.FP4:
+        return {spec.name: torch.int8, spec.scale_name: torch.float8_e8m0fnu}
+    plain = {Storage.BF16: torch.bfloat16, Storage.FP32: torch.float32, Storage.INT64: torch.int64}
+    return {spec.name: plain[spec.storage]}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def format_shape(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
+                    names: Iterable[str] | None = None) -> Checkpoint:
+    """Load ``config.json`` and every schema tensor of the checkpoint at ``path``.
+
+    fp8/fp4/bf16/fp32 tensors come back as ``dtype``; int64 tensors (``tid2eid``) stay int64.
+    ``names`` restricts loading to those logical names (all of them by default). Every stored
+    shape and dtype is checked before any data is read. Raises CheckpointError (files, tensors)
+    or ConfigError (config.json content).
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype_name(dtype)}")
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
+    if not (root / CONFIG_FILE).is_file():
+        raise CheckpointError(f"missing {CONFIG_FILE} in checkpoint directory {root}")
+    cfg = V4Config.from_json(root / CONFIG_FILE)
+    specs = _select(checkpoint_tensors(cfg), names)
+    weight_map = _read_weight_map(root)
+
+    with ExitStack() as stack:
+        shards = {fname: _open_shard(stack, root, fname) for fname in sorted(set(weight_map.values()))}
+        problems = [p for spec in specs for p in _check_spec(spec, weight_map, shards)]
+        if problems:
+            raise CheckpointError(_describe(root, problems))
+        tensors = {spec.name: _load_spec(spec, weight_map, shards, dtype) for spec in specs}
+    return Checkpoint(config=cfg, tensors=tensors, path=root)
+
+
+def _select(specs: list[TensorSpec], names: Iterable[str] | None) -> list[TensorSpec]:
+    if names is None:
+        return specs
+    wanted = set(names)
+    unknown = wanted - {s.name for s in specs}
+    if unknown:
+        raise CheckpointError(f"not tensors of this config's schema: {', '.join(sorted(unknown))}")
+    return [s for s in specs if s.name in wanted]
+
+
+def _read_weight_map(root: Path) -> dict[str, str]:
+    """Stored tensor name -> shard file name, from the index or the single-file layout."""
+    index_path = root / INDEX_FILE
+    if not index_path.is_file():
+        if (root / SINGLE_FILE).is_file():
+            with ExitStack() as stack:
+                keys = _open_shard(stack, root, SINGLE_FILE).keys()
+            return {k: SINGLE_FILE for k in keys}
+        raise CheckpointError(f"missing {INDEX_FILE} (and no single {SINGLE_FILE}) in checkpoint directory {root}")
+    try:
+        index: Any = json.loads(index_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' of tensor name -> shard file")
+    for fname in sorted(set(weight_map.values())):
+        if Path(fname).name != fname:
+            raise CheckpointError(f"{index_path}: shard file name {fname!r} is not a plain file name")
+        if not (root / fname).is_file():
+            example = next(k for k, v in weight_map.items() if v == fname)
+            raise CheckpointError(
+                f"{INDEX_FILE} names shard file {fname} (holding e.g. {example}), "
+                f"which does not exist in {root}")
+    return weight_map
+
+
+def _open_shard(stack: ExitStack, root: Path, fname: str) -> Any:
+    try:
+        return stack.enter_context(safe_open(str(root / fname), framework="pt"))
+    except Exception as e:  # safetensors raises its own SafetensorError (or OSError) here
+        raise CheckpointError(f"shard {root / fname} is not a valid safetensors file "
+                              f"(truncated or corrupt?): {e}") from None
+
+
+def _check_spec(spec: TensorSpec, weight_map: dict[str, str], shards: dict[str, Any]) -> list[str]:
+    problems = []
+    dtypes = stored_dtypes(spec)
+    for name, shape in spec.stored_shapes().items():
+        want = f"{format_shape(shape)} {dtype_name(dtypes[name])}"
+        fname = weight_map.get(name)
+        if fname is None:
+            problems.append(f"missing tensor {name} (expected shape {want}; not in the weight map)")
+            continue
+        if name not in shards[fname].keys():
+            problems.append(f"missing tensor {name} (expected shape {want}; the index puts it in {fname}, "
+                            "which does not hold it)")
+            continue
+        view = shards[fname].get_slice(name)
+        got_shape, tag = tuple(view.get_shape()), view.get_dtype()
+        got_dtype = _SAFETENSORS_DTYPES.get(tag, tag)
+        if got_shape != tuple(shape) or got_dtype != dtypes[name]:
+            problems.append(f"tensor {name} in {fname}: expected shape {want}, "
+                            f"got {format_shape(got_shape)} {dtype_name(got_dtype)}")
+    return problems
+
+
+def _describe(root: Path, problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"{problems[0]} (checkpoint {root})"
+    listed = problems[:_MAX_LISTED_PROBLEMS]
+    more = len(problems) - len(listed)
+    lines = [f"{len(problems)} problems in checkpoint {root}:"] + [f"  - {p}" for p in listed]
+    if more:
+        lines.append(f"  ... and {more} more")
+    return "\n".join(lines)
+
+
+def _load_spec(spec: TensorSpec, weight_map: dict[str, str], shards: dict[str, Any],
+               dtype: torch.dtype) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor:
+        return shards[weight_map[name]].get_tensor(name)
+
+    if spec.storage is Storage.FP8:
+        return dequantize_fp8_blockwise(get(spec.name), get(spec.scale_name)).to(dtype)
+    if spec.storage is Storage.FP4:
+        return dequantize_fp4_packed(get(spec.name), get(spec.scale_name)).to(dtype)
+    if spec.storage is Storage.INT64:
+        return get(spec.name)
+    return get(spec.name).to(dtype)

@@ -1,0 +1,287 @@
+"""Per-token V4 math shared by the reference oracle and the incremental model.
+
+Everything here is a function of the tokens it is given (and their absolute positions); nothing
+reads or writes a cache. Section numbers refer to ``shared/docs/v4_architecture.md``.
+Shapes: T tokens, D hidden, H heads, Dh head dim, hc residual streams.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ..config import RopeScaling, V4Config, yarn_ramp_bounds
+from ..quant import fp4_qat, fp8_qat, hadamard
+
+Tensor = torch.Tensor
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    return x @ w.t()
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * weight if weight is not None else y
+
+
+# ---- RoPE (§1.3, §2.2) ---------------------------------------------------------------------
+
+@lru_cache(maxsize=16)
+def _inv_freqs(rope_dim: int, base: float, scaling: RopeScaling | None) -> Tensor:
+    freqs = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    if scaling is not None:
+        low, high = yarn_ramp_bounds(rope_dim, base, scaling)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / scaling.factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+def layer_inv_freqs(cfg: V4Config, ratio: int) -> Tensor:
+    """RoPE frequencies of a layer: compress_rope_theta + YaRN if ratio > 0, else rope_theta."""
+    if ratio:
+        return _inv_freqs(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+    return _inv_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+
+
+def apply_rope(x: Tensor, positions: Tensor, inv_freqs: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the last 2*len(inv_freqs) dims of x (interleaved pairs) by angle pos * f.
+
+    x: [T, ..., d]; positions: [T]. Angles are formed in float64 so large positions stay exact.
+    """
+    rd = 2 * inv_freqs.numel()
+    angles = positions.to(torch.float64)[:, None] * inv_freqs.to(positions.device)[None, :]
+    cos = torch.cos(angles).to(x.dtype)
+    sin = torch.sin(angles).to(x.dtype)
+    if inverse:
+        sin = -sin
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rot = x[..., -rd:].unflatten(-1, (rd // 2, 2))
+    re, im = rot[..., 0], rot[..., 1]
+    out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], out), dim=-1)
+
+
+# ---- manifold-constrained hyper-connections (§5) ----------------------------------------------
+
+def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
+    """Reduce the hc streams to one input. h: [T, hc, D] -> (y [T, D], post [T, hc], comb [T, hc, hc])."""
+    hc, eps = cfg.hc_mult, cfg.hc_eps
+    flat = h.flatten(1)
+    mixes = linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    y = torch.einsum("th,thd->td", pre, h)
+    return y, post, comb
+
+
+def hc_post(f: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """Expand a sublayer output back to the streams: h'[k] = post_k f + sum_j comb[j, k] h[j]."""
+    return post.unsqueeze(-1) * f.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, h)
+
+
+def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> Tensor:
+    """Final stream merge before the output norm (§5.6). h: [T, hc, D] -> [T, D]."""
+    flat = h.flatten(1)
+    mixes = linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    pre = torch.sigmoid(mixes * scale[0] + base) + cfg.hc_eps
+    return torch.einsum("th,thd->td", pre, h)
+
+
+# ---- attention projections (§2.2-§2.5) ------------------------------------------------------
+
+def project_q(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
+              cfg: V4Config) -> tuple[Tensor, Tensor]:
+    """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer)."""
+    qr = rms_norm(linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], cfg.rms_norm_eps)
+    q = linear(qr, w["attn.wq_b.weight"]).view(x.shape[0], -1, cfg.head_dim)
+    q = rms_norm(q, None, cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freqs), qr
+
+
+def project_kv(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
+               cfg: V4Config, quant_sim: bool) -> Tensor:
+    """x: [T, D] -> window KV [T, Dh] (one shared head; K = V)."""
+    kv = rms_norm(linear(x, w["attn.wkv.weight"]), w["attn.kv_norm.weight"], cfg.rms_norm_eps)
+    kv = apply_rope(kv, positions, inv_freqs)
+    return _fp8_nope(kv, cfg) if quant_sim else kv
+
+
+def _fp8_nope(kv: Tensor, cfg: V4Config) -> Tensor:
+    nope = cfg.nope_head_dim
+    return torch.cat((fp8_qat(kv[..., :nope], 64), kv[..., nope:]), dim=-1)
+
+
+def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
+                     cfg: V4Config) -> Tensor:
+    """o: [T, H, Dh] -> [T, D]: inverse RoPE by the query position, grouped wo_a, then wo_b."""
+    o = apply_rope(o, positions, inv_freqs, inverse=True)
+    G = cfg.o_groups
+    o = o.reshape(o.shape[0], G, -1)
+    wo_a = w["attn.wo_a.weight"].view(G, cfg.o_lora_rank, -1)
+    z = torch.einsum("tgd,grd->tgr", o, wo_a)
+    return linear(z.flatten(1), w["attn.wo_b.weight"])
+
+
+def sparse_attention(q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: float,
+                     block: int = 256) -> Tensor:
+    """Sink attention of each query over its own selected keys (§2.4).
+
+    q: [T, H, Dh]; kv: [N, Dh] (K = V); idx: [T, K] rows of kv, -1 = masked; sink: [H].
+    The sink adds exp(sink[h]) to the softmax denominator with a zero value vector.
+    """
+    out = torch.empty_like(q)
+    for t0 in range(0, q.shape[0], block):  # bounds the [block, K, Dh] gather, not a loop over tokens
+        qb, ib = q[t0:t0 + block], idx[t0:t0 + block]
+        keys = kv[ib.clamp_min(0)]                                        # [b, K, Dh]
+        logits = torch.einsum("thd,tkd->thk", qb, keys) * scale
+        logits = logits.masked_fill((ib < 0).unsqueeze(1), float("-inf"))
+        sink_col = sink.view(1, -1, 1).expand(qb.shape[0], -1, 1).to(logits.dtype)
+        probs = torch.softmax(torch.cat((logits, sink_col), dim=-1), dim=-1)[..., :-1]
+        out[t0:t0 + block] = torch.einsum("thk,tkd->thd", probs, keys)
+    return out
+
+
+def window_indices(positions: Tensor, window: int, first_pos: int) -> Tensor:
+    """Row indices (into a buffer holding positions first_pos, first_pos+1, ...) of each query's
+    window keys max(0, p-W+1)..p; -1 where the position would be negative. -> [T, W]."""
+    key_pos = positions[:, None] - (window - 1) + torch.arange(window, device=positions.device)
+    return torch.where(key_pos >= 0, key_pos - first_pos, -1)
+
+
+# ---- compressor (§3) -----------------------------------------------------------------------
+
+def compressor_projections(x: Tensor, w: dict[str, Tensor], prefix: str, positions: Tensor,
+                           ratio: int) -> tuple[Tensor, Tensor]:
+    """x: [T, D] -> (a [T, coff*d], s [T, coff*d]); s includes ape[p mod r]."""
+    a = linear(x, w[f"{prefix}.wkv.weight"])
+    s = linear(x, w[f"{prefix}.wgate.weight"]) + w[f"{prefix}.ape"][positions % ratio]
+    return a, s
+
+
+def pool_c4(a: Tensor, s: Tensor) -> Tensor:
+    """Overlapping ratio-4 pooling. a, s: [4*(m+1), 2d], rows of groups j0-1 .. j0+m-1 (group
+    j0-1 may be padding: a = 0, s = -inf). -> pooled entries j0 .. j0+m-1, [m, d].
+
+    Entry j softmax-pools, per channel, the A half (first d) of group j-1 and the B half of group j.
+    """
+    d = a.shape[1] // 2
+    a, s = a.view(-1, 4, 2 * d), s.view(-1, 4, 2 * d)
+    a = torch.cat((a[:-1, :, :d], a[1:, :, d:]), dim=1)
+    s = torch.cat((s[:-1, :, :d], s[1:, :, d:]), dim=1)
+    return (torch.softmax(s, dim=1) * a).sum(1)
+
+
+def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_positions: Tensor,
+                   inv_freqs: Tensor, cfg: V4Config, is_indexer: bool, quant_sim: bool) -> Tensor:
+    """Pooled [N, d] -> compressed entries: norm, RoPE at the group's first token, then FP8 (main)
+    or Hadamard + FP4 (indexer)."""
+    c = rms_norm(pooled, w[f"{prefix}.norm.weight"], cfg.rms_norm_eps)
+    c = apply_rope(c, first_positions, inv_freqs)
+    if is_indexer:
+        c = hadamard(c)
+        return fp4_qat(c, 32) if quant_sim else c
+    return _fp8_nope(c, cfg) if quant_sim else c
+
+
+# ---- lightning indexer (§4) ----------------------------------------------------------------
+
+def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], positions: Tensor,
+                    inv_freqs: Tensor, cfg: V4Config, quant_sim: bool) -> tuple[Tensor, Tensor]:
+    """-> (qI [T, Hi, Di] rotated, Hadamard'ed, FP4; head weights [T, Hi])."""
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    qi = linear(qr, w["attn.indexer.wq_b.weight"]).view(-1, Hi, Di)
+    qi = hadamard(apply_rope(qi, positions, inv_freqs))
+    if quant_sim:
+        qi = fp4_qat(qi, 32)
+    weights = linear(x, w["attn.indexer.weights_proj.weight"]) * (Di**-0.5 * Hi**-0.5)
+    return qi, weights
+
+
+def indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
+    """score[t, j] = sum_h w[t, h] * relu(<qI[t, h], K[j]>). keys: [N, Di] -> [T, N]."""
+    return torch.einsum("th,thn->tn", head_weights, F.relu(torch.einsum("thd,nd->thn", qi, keys)))
+
+
+def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
+    """Top-min(k, visible) entries per row among j < num_visible[t]; -1 pads. -> [T, k].
+
+    Ties break toward the lower entry index (stable sort), so the choice does not depend on how
+    many invisible entries a row carries.
+    """
+    n = scores.shape[1]
+    j = torch.arange(n, device=scores.device)
+    visible = j[None, :] < num_visible[:, None]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+    keep = torch.arange(order.shape[1], device=scores.device)[None, :] < num_visible[:, None]
+    order = torch.where(keep, order, -1)
+    if order.shape[1] < k:
+        order = F.pad(order, (0, k - order.shape[1]), value=-1)
+    return order
+
+
+# ---- MoE (§6) ------------------------------------------------------------------------------
+
+def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool) -> Tensor:
+    """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert."""
+    scores = torch.sqrt(F.softplus(linear(x, w["ffn.gate.weight"])))
+    if hash_routed:
+        chosen = w["ffn.gate.tid2eid"][token_ids].long()
+    else:
+        chosen = torch.topk(scores + w["ffn.gate.bias"], cfg.num_experts_per_tok, dim=-1).indices
+    gates = scores.gather(1, chosen)
+    gates = gates / gates.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+    out = torch.zeros_like(x)
+    for e in torch.unique(chosen).tolist():  # loop over experts, not tokens
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        p = f"ffn.experts.{e}"
+        y = _swiglu(x[rows], w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, gates[rows, slot])
+        out.index_add_(0, rows, linear(y, w[f"{p}.w2.weight"]))
+    if cfg.n_shared_experts:
+        p = "ffn.shared_experts"
+        y = _swiglu(x, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, None)
+        out = out + linear(y, w[f"{p}.w2.weight"])
+    return out
+
+
+def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, limit: float, gate: Tensor | None) -> Tensor:
+    g, u = linear(x, w1), linear(x, w3)
+    if limit > 0:  # swiglu_limit 0 means no clamp
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    h = F.silu(g) * u
+    return h * gate.unsqueeze(-1) if gate is not None else h
+
+
+def mtp_input(h_main: Tensor, next_ids: Tensor, embed: Tensor, w: dict[str, Tensor], cfg: V4Config) -> Tensor:
+    """MTP block input streams (§7): e_proj(enorm(embed(t+1))) + h_proj(hnorm(h_main)). -> [T, hc, D]."""
+    e = rms_norm(embed[next_ids], w["enorm.weight"], cfg.rms_norm_eps)
+    hn = rms_norm(h_main, w["hnorm.weight"], cfg.rms_norm_eps)
+    return linear(e, w["e_proj.weight"]).unsqueeze(1) + linear(hn, w["h_proj.weight"])
+
+
+def layer_view(weights: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The tensors under ``prefix.`` with the prefix stripped."""
+    cut = len(prefix) + 1
+    return {k[cut:]: v for k, v in weights.items() if k.startswith(prefix + ".")}
+
+
+def check_finite(x: Tensor, what: str) -> None:
+    if not torch.isfinite(x).all():
+        raise FloatingPointError(f"non-finite values in {what}")
+
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "math")]

@@ -1,0 +1,126 @@
+"""Paged, reference-counted, append-only storage of compressed KV entries.
+
+An entry is written once and then only read, so requests that share a prefix share the pages
+holding its entries. A request keeps a page table (entry j lives at offset j % page_size of page
+``table[j // page_size]``). Each page records how far it has been appended (``filled``): the first
+request to append at a page's frontier writes in place; a request whose own next entry falls
+below that frontier (it forked from a shorter prefix) copies the valid head of the page first
+(copy-on-write). Entries are therefore never overwritten, and pages are freed when the last
+table or snapshot referencing them lets go.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class OutOfPagesError(RuntimeError):
+    """The compressed-entry pool has no free page left."""
+
+
+class EntryPagePool:
+    """Pages of ``page_size`` entries; ``tensors[name]`` has shape [num_pages * page_size, dim]."""
+
+    def __init__(self, num_pages: int, page_size: int, dims: dict[str, int],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.tensors = {name: torch.zeros(num_pages * page_size, dim, dtype=dtype, device=device)
+                        for name, dim in dims.items()}
+        self.refcount = [0] * num_pages
+        self.filled = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.num_copies = 0  # copy-on-write events, for tests and metrics
+
+    # ---- allocation ----------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def _alloc(self) -> int:
+        if not self._free:
+            raise OutOfPagesError(f"compressed KV pool exhausted ({self.num_pages} pages of {self.page_size} entries)")
+        page = self._free.pop()
+        self.refcount[page], self.filled[page] = 1, 0
+        return page
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refcount[p] += 1
+
+    def decref(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+            elif self.refcount[p] < 0:
+                raise AssertionError(f"page {p} released more often than referenced")
+
+    def pages_for(self, num_entries: int) -> int:
+        return -(-num_entries // self.page_size)
+
+    # ---- entries -------------------------------------------------------------------------
+    def pages_needed(self, table: list[int], start: int, end: int) -> int:
+        """Free pages ``extend(table, start, end)`` would take (new pages plus a copy-on-write)."""
+        if end <= start:
+            return 0
+        cow = 1 if start % self.page_size and self.filled[table[-1]] != start % self.page_size else 0
+        return self.pages_for(end) - self.pages_for(start) + cow
+
+    def extend(self, table: list[int], start: int, end: int) -> Tensor:
+        """Make entries start..end-1 of the table's owner writable; -> their storage rows [end-start].
+
+        ``start`` is the number of entries the owner already has. Mutates ``table`` (new pages, or
+        a private copy of a shared partial page) and the page frontiers. Callers check
+        ``pages_needed`` first so that a failure leaves nothing half-done.
+        """
+        ps = self.page_size
+        if len(table) != self.pages_for(start):
+            raise AssertionError(f"page table has {len(table)} pages for {start} entries")
+        if end <= start:
+            return torch.empty(0, dtype=torch.long)
+        if self.pages_needed(table, start, end) > self.num_free:
+            raise OutOfPagesError(
+                f"compressed KV pool exhausted: need {self.pages_needed(table, start, end)} pages, "
+                f"{self.num_free} of {self.num_pages} free")
+        offset = start % ps
+        if offset and self.filled[table[-1]] != offset:
+            # Another request appended past our prefix in this page: copy our head, then append.
+            page, new = table[-1], self._alloc()
+            for t in self.tensors.values():
+                t[new * ps:new * ps + offset] = t[page * ps:page * ps + offset]
+            self.decref([page])
+            table[-1] = new
+            self.num_copies += 1
+        while len(table) < self.pages_for(end):
+            table.append(self._alloc())
+        for j in range(start // ps, len(table)):
+            self.filled[table[j]] = max(self.filled[table[j]], min(ps, end - j * ps))
+        return self.slots(table, torch.arange(start, end))
+
+    def slots(self, table: list[int], entries: Tensor) -> Tensor:
+        """Storage rows of entry indices ``entries`` under ``table``."""
+        pages = torch.tensor(table, dtype=torch.long)[entries // self.page_size] if len(table) else entries
+        return pages * self.page_size + entries % self.page_size
+
+    def gather(self, name: str, table: list[int], num_entries: int) -> Tensor:
+        """Entries 0..num_entries-1 of one tensor, [num_entries, dim]."""
+        return self.tensors[name][self.slots(table, torch.arange(num_entries))]
+
+    def check_integrity(self, live_tables: list[list[int]]) -> None:
+        """Every page is free xor referenced exactly as often as live tables/snapshots hold it."""
+        counts = [0] * self.num_pages
+        for table in live_tables:
+            for p in table:
+                counts[p] += 1
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        for p in range(self.num_pages):
+            if counts[p] != self.refcount[p]:
+                raise AssertionError(f"page {p}: refcount {self.refcount[p]} but {counts[p]} holders")
+            if (p in free) != (counts[p] == 0):
+                raise AssertionError(f"page {p}: free={p in free} with {counts[p]} holders")

@@ -1,0 +1,163 @@
+"""Byte accounting of the V4 caches (v4_architecture.md §8-§9), and a CLI that prints it.
+
+Three storage layouts:
+
+- ``bf16``: the reference layout; a window / compressed row is ``head_dim`` bf16 values, an indexer
+  row ``index_head_dim`` bf16 values;
+- ``fp8``: FlashMLA's V4 layout (``KVLayout.V4``); a window / compressed row is the nope part in e4m3,
+  the rope part in bf16 and one ue8m0 scale byte per 64 nope values, padded to 8 scale bytes
+  (448 + 128 + 8 = 584 B for V4); an indexer row is ``index_head_dim`` e4m3 + one fp32 scale (132 B);
+- ``fp32``: what the CPU torch path itself stores.
+
+What the design shares and what it keeps per request:
+
+- ``compressed_bytes_per_token``: the append-only compressed segment (shared through the radix
+  tree), amortised per original token over all main layers: per ratio-4 layer
+  (main row + indexer row) / 4, per ratio-128 layer row / 128;
+- ``window_bytes_per_request``: the per-request ring, ``sliding_window`` rows in every main layer and
+  in the MTP layer(s);
+- ``compressor_state_bytes_per_request``: the compressors' partial-group state, fp32 in every layout:
+  per ratio-4 layer 8 rows of ``2 * 2 * head_dim`` floats (main, overlapping halves A and B, kv and
+  score) + 8 rows of ``2 * 2 * index_head_dim`` floats (indexer); per ratio-128 layer the online-softmax
+  accumulator (running max, running sum, running weighted sum: ``3 * head_dim`` floats);
+- ``snapshot_bytes``: window + compressor state, i.e. what a fork-point snapshot holds.
+
+Run ``python -m sglang_dsv4.memory --config PATH`` (a ``config.json`` or a checkpoint directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .config import FP8_QAT_BLOCK, ConfigError, V4Config
+
+LAYOUTS = ("bf16", "fp8", "fp32")
+FP32_BYTES = 4
+# C4 compressor: overlapping groups (coff = 2) -> 2*d wide rows for kv and again for score; 8 rows
+# (the previous complete group + the current one).
+C4_STATE_ROWS = 8
+C4_COFF = 2
+# Online C128 accumulator: running max, running sum, running weighted sum, each head_dim floats.
+C128_ONLINE_VECTORS = 3
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """Cache sizes of one V4 config in one storage layout. Bytes unless the name says otherwise."""
+
+    layout: str
+    # --- row sizes ---
+    window_row_bytes: int          # one window (ring) row; also one main compressed entry
+    compressed_row_bytes: int      # one main C4 / C128 compressed entry (same format as the window)
+    indexer_row_bytes: int         # one indexer C4 compressed key
+    # --- layer census ---
+    num_c4_layers: int
+    num_c128_layers: int
+    num_window_layers: int         # main layers + MTP layers (every one has a window)
+    # --- shared, append-only compressed segment, amortised per original token (all main layers) ---
+    c4_main_bytes_per_token: float
+    c4_indexer_bytes_per_token: float
+    c128_main_bytes_per_token: float
+    compressed_bytes_per_token: float
+    # --- per request ---
+    window_bytes_per_layer: int
+    window_bytes_per_request: int
+    c4_main_state_bytes_per_layer: int
+    c4_indexer_state_bytes_per_layer: int
+    c128_state_bytes_per_layer: int
+    compressor_state_bytes_per_request: int
+    snapshot_bytes: int            # window + compressor state: a fork-point snapshot
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def row_bytes(cfg: V4Config, layout: str) -> tuple[int, int]:
+    """(window / compressed row bytes, indexer row bytes) of ``layout``."""
+    if layout == "bf16":
+        return cfg.head_dim * 2, cfg.index_head_dim * 2
+    if layout == "fp8":
+        nope, rope = cfg.nope_head_dim, cfg.qk_rope_head_dim
+        scales = _ceil_to(math.ceil(nope / FP8_QAT_BLOCK), 8)  # ue8m0 per 64 nope values, padded to 8
+        return nope + 2 * rope + scales, cfg.index_head_dim + FP32_BYTES
+    if layout == "fp32":
+        return cfg.head_dim * FP32_BYTES, cfg.index_head_dim * FP32_BYTES
+    raise ValueError(f"layout: unknown cache layout {layout!r} (known: {', '.join(LAYOUTS)})")
+
+
+def cache_bytes(cfg: V4Config, layout: str) -> CacheBytes:
+    """Byte accounting of ``cfg``'s caches in ``layout`` (one of ``LAYOUTS``)."""
+    row, idx_row = row_bytes(cfg, layout)
+    n4, n128 = len(cfg.c4_layers), len(cfg.c128_layers)
+    n_window = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+
+    c4_main = n4 * row / 4
+    c4_idx = n4 * idx_row / 4
+    c128_main = n128 * row / 128
+
+    window_layer = cfg.sliding_window * row
+    c4_main_state = C4_STATE_ROWS * (2 * C4_COFF * cfg.head_dim) * FP32_BYTES
+    c4_idx_state = C4_STATE_ROWS * (2 * C4_COFF * cfg.index_head_dim) * FP32_BYTES
+    c128_state = C128_ONLINE_VECTORS * cfg.head_dim * FP32_BYTES
+    state = n4 * (c4_main_state + c4_idx_state) + n128 * c128_state
+    window = n_window * window_layer
+
+    return CacheBytes(
+        layout=layout,
+        window_row_bytes=row,
+        compressed_row_bytes=row,
+        indexer_row_bytes=idx_row,
+        num_c4_layers=n4,
+        num_c128_layers=n128,
+        num_window_layers=n_window,
+        c4_main_bytes_per_token=c4_main,
+        c4_indexer_bytes_per_token=c4_idx,
+        c128_main_bytes_per_token=c128_main,
+        compressed_bytes_per_token=c4_main + c4_idx + c128_main,
+        window_bytes_per_layer=window_layer,
+        window_bytes_per_request=window,
+        c4_main_state_bytes_per_layer=c4_main_state,
+        c4_indexer_state_bytes_per_layer=c4_idx_state,
+        c128_state_bytes_per_layer=c128_state,
+        compressor_state_bytes_per_request=state,
+        snapshot_bytes=window + state,
+    )
+
+
+def all_layouts(cfg: V4Config) -> dict[str, dict[str, Any]]:
+    """``{layout: cache_bytes(cfg, layout).to_dict()}`` for every layout."""
+    return {layout: cache_bytes(cfg, layout).to_dict() for layout in LAYOUTS}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_dsv4.memory",
+        description="Print the V4 cache byte accounting of a config as JSON, one object per layout.")
+    parser.add_argument("--config", required=True, metavar="PATH",
+                        help="a config.json, or a checkpoint directory containing one")
+    args = parser.parse_args(argv)
+    try:
+        cfg = V4Config.from_json(args.config)
+    except ConfigError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError, TypeError) as e:
+        # TypeError: a field of the wrong JSON type that the dataclass rejects.
+        print(f"{parser.prog}: error: cannot read config {args.config}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(all_layouts(cfg), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

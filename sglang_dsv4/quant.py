@@ -1,0 +1,124 @@
+"""Number formats of V4 checkpoints and caches, and the QAT simulations of the forward.
+
+- FP8 e4m3 weights with one power-of-two (e8m0) scale per 128x128 block;
+- FP4 e2m1 routed-expert weights, two codes per int8 byte (low nibble = even index), one e8m0
+  scale per 32 inputs;
+- ``fp8_qat`` / ``fp4_qat``: the quantise-dequantise steps the model applies to the window and
+  compressed KV (FP8, blocks of 64) and to the indexer query and keys (FP4, blocks of 32);
+- ``hadamard``: the normalised Walsh-Hadamard rotation the indexer applies before FP4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+FP8_WEIGHT_BLOCK = 128
+FP4_WEIGHT_BLOCK = 32
+# e2m1 code -> value; codes 8..15 are the negatives of 0..7.
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Smallest power of two s with amax / s <= qmax (the ue8m0 scale rule)."""
+    return torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the block {block}")
+    return x.unflatten(-1, (x.shape[-1] // block, block))
+
+
+def fp8_qat(x: torch.Tensor, block: int = 64, amax_floor: float = 1e-4) -> torch.Tensor:
+    """FP8_QAT(x, block): round each block to e4m3 with a power-of-two scale (fp32 in and out)."""
+    xb = _blocks(x.float(), block)
+    scale = pow2_scale(xb.abs().amax(-1, keepdim=True).clamp_min(amax_floor), FP8_MAX)
+    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * scale).flatten(-2)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e2m1 value, ties to the even code; input already within [-6, 6]."""
+    mags = E2M1_VALUES[:8].to(x.device)
+    midpoints = (mags[1:] + mags[:-1]) / 2
+    mag = x.abs().contiguous()
+    idx = torch.searchsorted(midpoints, mag)  # mag <= midpoints[idx]
+    tie = (idx < 7) & (mag == midpoints[idx.clamp(max=6)])
+    code = torch.where(tie & (idx % 2 == 1), idx + 1, idx)
+    return torch.copysign(mags[code], x)
+
+
+def fp4_qat(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP4_QAT(x, block): round each block to e2m1 with a power-of-two scale."""
+    xb = _blocks(x.float(), block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
+    scale = pow2_scale(amax, FP4_MAX)
+    q = e2m1_round((xb / scale).clamp(-FP4_MAX, FP4_MAX))
+    return (q * scale).flatten(-2)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Normalised Walsh-Hadamard transform (Sylvester order) over the last dim (a power of two)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    shape = x.shape
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(shape) * (n**-0.5)
+
+
+# ---- checkpoint weight formats -------------------------------------------------------------
+
+def quantize_fp8_blockwise(w: torch.Tensor, block: int = FP8_WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (e4m3 [out, in], e8m0 scales [ceil(out/b), ceil(in/b)])."""
+    out_dim, in_dim = w.shape
+    nb_o, nb_i = math.ceil(out_dim / block), math.ceil(in_dim / block)
+    padded = torch.zeros(nb_o * block, nb_i * block, dtype=torch.float32)
+    padded[:out_dim, :in_dim] = w.float()
+    tiles = padded.view(nb_o, block, nb_i, block)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    scale = pow2_scale(amax, FP8_MAX)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.view(nb_o * block, nb_i * block)[:out_dim, :in_dim].contiguous()
+    return q, scale.to(torch.float8_e8m0fnu)
+
+
+def dequantize_fp8_blockwise(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_WEIGHT_BLOCK) -> torch.Tensor:
+    """Inverse of quantize_fp8_blockwise, in float32."""
+    s = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return q.float() * s[: q.shape[0], : q.shape[1]]
+
+
+def quantize_fp4_packed(w: torch.Tensor, block: int = FP4_WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in/2] packed e2m1, e8m0 scales [out, in/block])."""
+    wb = _blocks(w.float(), block)
+    scale = pow2_scale(wb.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126), FP4_MAX)
+    vals = e2m1_round((wb / scale).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
+    codes = _e2m1_codes(vals)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.squeeze(-1).to(torch.float8_e8m0fnu)
+
+
+def _e2m1_codes(vals: torch.Tensor) -> torch.Tensor:
+    mags = E2M1_VALUES[:8]
+    code = (vals.abs().unsqueeze(-1) == mags).int().argmax(-1)
+    return (code + 8 * (torch.signbit(vals) & (vals != 0)).int()).to(torch.int32)
+
+
+def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_WEIGHT_BLOCK) -> torch.Tensor:
+    """int8 [out, in/2] + e8m0 [out, in/block] -> float32 [out, in]."""
+    b = packed.view(torch.uint8).int()
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+    vals = E2M1_VALUES.to(packed.device)[codes.long()]
+    return vals * scale.float().repeat_interleave(block, -1)

@@ -1,0 +1,217 @@
+"""The incremental model against the cache-free oracle: chunked prefill, decode, batches, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from sglang_dsv4.core.cache import CacheCapacityError, V4Cache
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.core.oracle import OracleModel
+
+# No shrinking: a failing example is reported as drawn, which keeps a red run short.
+SETTINGS = dict(max_examples=8, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-position relative error ||got - ref|| / ||ref||."""
+    return (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
+def random_ids(n: int, seed: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def run_chunks(model: V4Model, cache: V4Cache, req, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Feed ids in the given chunk sizes (the rest one token at a time) -> logits [len(ids), V]."""
+    out, pos = [], 0
+    for c in chunks:
+        if pos >= ids.numel():
+            break
+        out.append(model.forward(cache, [req], [ids[pos:pos + c]])[0])
+        pos += c
+    while pos < ids.numel():
+        out.append(model.forward(cache, [req], [ids[pos:pos + 1]])[0])
+        pos += 1
+    return torch.cat(out)
+
+
+def assert_matches_oracle(got: torch.Tensor, ref: torch.Tensor, quant_sim: bool) -> None:
+    err = rel_err(got, ref)
+    if quant_sim:  # rounding-bin flips of the fp8/fp4 simulation under fp32 noise
+        assert err.median() < 1e-5, f"median rel err {err.median():.3g}"
+        assert err.max() < 2e-3, f"max rel err {err.max():.3g} at position {err.argmax()}"
+    else:
+        assert err.max() < 1e-5, f"max rel err {err.max():.3g} at position {err.argmax()}"
+
+
+@given(prompt_len=st.integers(1, 300),
+       chunks=st.lists(st.integers(1, 150), min_size=1, max_size=6),
+       decode_len=st.integers(0, 40),
+       page_size=st.sampled_from([1, 3, 64]),
+       seed=st.integers(0, 2**16))
+@settings(**SETTINGS)
+def test_chunked_prefill_and_decode_match_oracle_exact(micro, prompt_len, chunks, decode_len, page_size, seed):
+    """Quant simulation off: every position within 1e-5 for any chunking of prefill, then decode."""
+    cfg, w = micro
+    ids = random_ids(prompt_len + decode_len, seed, cfg.vocab_size)
+    ref = OracleModel(cfg, w, quant_sim=False).forward(ids)
+    model = V4Model(cfg, w, quant_sim=False)
+    cache = V4Cache(cfg, max_requests=2, max_total_tokens=1024, page_size=page_size)
+    req = cache.new_request()
+    got = run_chunks(model, cache, req, ids, _fit(chunks, prompt_len))
+    assert_matches_oracle(got, ref, quant_sim=False)
+    cache.free_request(req)
+    cache.check_integrity()
+    assert cache.is_idle()
+
+
+@given(prompt_len=st.integers(1, 300),
+       chunks=st.lists(st.integers(1, 150), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+@settings(**SETTINGS)
+def test_chunked_prefill_matches_oracle_with_quant_sim(micro, prompt_len, chunks, seed):
+    """Quant simulation on (the default, as in the real model)."""
+    cfg, w = micro
+    ids = random_ids(prompt_len + 8, seed, cfg.vocab_size)
+    ref = OracleModel(cfg, w).forward(ids)
+    model = V4Model(cfg, w)
+    cache = V4Cache(cfg, max_requests=1, max_total_tokens=1024, page_size=64)
+    got = run_chunks(model, cache, cache.new_request(), ids, _fit(chunks, prompt_len))
+    assert_matches_oracle(got, ref, quant_sim=True)
+
+
+def _fit(chunks: list[int], prompt_len: int) -> list[int]:
+    """Chunk sizes that cover exactly the prompt (the last one is trimmed)."""
+    out, total = [], 0
+    for c in chunks:
+        c = min(c, prompt_len - total)
+        if c <= 0:
+            break
+        out.append(c)
+        total += c
+    if total < prompt_len:
+        out.append(prompt_len - total)
+    return out
+
+
+@pytest.mark.parametrize("quant_sim", [False, True])
+def test_long_decode_wraps_ring_and_completes_c128_groups(micro, quant_sim):
+    """3-token prefill then 330 single-token decodes: two ring wrap-arounds, two C128 entries."""
+    cfg, w = micro
+    ids = random_ids(333, 7, cfg.vocab_size)
+    ref = OracleModel(cfg, w, quant_sim=quant_sim).forward(ids)
+    model = V4Model(cfg, w, quant_sim=quant_sim)
+    cache = V4Cache(cfg, max_requests=1, max_total_tokens=1024, page_size=64)
+    got = run_chunks(model, cache, cache.new_request(), ids, [3])
+    assert_matches_oracle(got, ref, quant_sim)
+
+
+def test_batched_requests_match_oracle(micro):
+    """Requests at different positions in one forward (prefill chunks and decodes mixed)."""
+    cfg, w = micro
+    seqs = [random_ids(n, 100 + n, cfg.vocab_size) for n in (150, 9, 140)]
+    refs = [OracleModel(cfg, w, quant_sim=False).forward(s) for s in seqs]
+    model = V4Model(cfg, w, quant_sim=False)
+    cache = V4Cache(cfg, max_requests=3, max_total_tokens=2048, page_size=5)
+    reqs = [cache.new_request() for _ in seqs]
+    outs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    # step k feeds each request its next piece: a chunk of 37 tokens or one token, until done
+    while any(r.num_tokens < s.numel() for r, s in zip(reqs, seqs)):
+        live = [i for i, (r, s) in enumerate(zip(reqs, seqs)) if r.num_tokens < s.numel()]
+        pieces = [seqs[i][reqs[i].num_tokens:reqs[i].num_tokens + (37 if i % 2 == 0 else 1)] for i in live]
+        for i, logits in zip(live, model.forward(cache, [reqs[i] for i in live], pieces)):
+            outs[i].append(logits)
+    for out, ref in zip(outs, refs):
+        assert_matches_oracle(torch.cat(out), ref, quant_sim=False)
+
+
+@given(prefix_len=st.integers(1, 280), seed=st.integers(0, 2**16), page_size=st.sampled_from([1, 4, 64]),
+       chunk=st.integers(1, 200))
+@settings(**SETTINGS)
+def test_snapshot_restore_matches_oracle_and_shares_entries(micro, prefix_len, seed, page_size, chunk):
+    """Two requests restored from one snapshot at P continue with different tokens; each matches the
+    oracle on its own full sequence, they share the stored entries below P, and the original
+    request, continuing too, is not disturbed by their appends."""
+    cfg, w = micro
+    prefix = random_ids(prefix_len, seed, cfg.vocab_size)
+    tails = [random_ids(60, seed + k + 1, cfg.vocab_size) for k in range(3)]
+    model = V4Model(cfg, w, quant_sim=False)
+    oracle = OracleModel(cfg, w, quant_sim=False)
+    cache = V4Cache(cfg, max_requests=4, max_total_tokens=2048, page_size=page_size)
+    origin = cache.new_request()
+    run_chunks(model, cache, origin, prefix, _fit([chunk], prefix_len))
+    snap = cache.snapshot(origin)
+    forks = [cache.restore(snap), cache.restore(snap)]
+    reqs = [origin] + forks
+
+    for r in (4, 128):
+        n = prefix_len // r
+        rows = [cache.pools[r].slots(q.tables[r], torch.arange(n)) for q in reqs]
+        assert all(torch.equal(rows[0], x) for x in rows[1:]), "entries below P are not shared"
+    assert snap.nbytes == cache.slot_state_bytes()
+
+    # interleave: the forks and the origin append their own tails, 1 or 13 tokens at a time
+    outs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    for step in range(0, 60, 13):
+        for k, q in enumerate(reqs):
+            piece = tails[k][step:step + (13 if k != 1 else 1)]
+            if k == 1:  # fork 1 decodes token by token
+                for t in tails[k][step:step + 13]:
+                    outs[k].append(model.forward(cache, [q], [t.view(1)])[0])
+            else:
+                outs[k].append(model.forward(cache, [q], [piece])[0])
+    for k, q in enumerate(reqs):
+        ref = oracle.forward(torch.cat((prefix, tails[k])))[prefix_len:]
+        assert_matches_oracle(torch.cat(outs[k]), ref, quant_sim=False)
+
+    for q in reqs:
+        cache.free_request(q)
+    cache.check_integrity()
+    assert not cache.is_idle()  # the snapshot still holds the prefix's entries
+    cache.release(snap)
+    cache.check_integrity()
+    assert cache.is_idle()
+
+
+def test_mtp_matches_oracle_incrementally(micro):
+    """The MTP block, run as tokens arrive (lagging the main model by one), matches the oracle."""
+    cfg, w = micro
+    ids = random_ids(200, 3, cfg.vocab_size)
+    oracle = OracleModel(cfg, w, quant_sim=False)
+    ref_logits, streams = oracle.forward(ids, return_streams=True)
+    ref_mtp = oracle.forward_mtp(ids, streams)
+    model = V4Model(cfg, w, quant_sim=False)
+    cache = V4Cache(cfg, max_requests=1, max_total_tokens=1024, page_size=8)
+    req = cache.new_request()
+    got, pending = [], None
+    for a, b in [(0, 50), (50, 51), (51, 140)] + [(p, p + 1) for p in range(140, 200)]:
+        _, (h,) = model.forward(cache, [req], [ids[a:b]], return_streams=True)
+        h = h if pending is None else torch.cat((pending, h))
+        # MTP rows need token t+1: all but the last new position can run now
+        ready = h[:-1]
+        if ready.shape[0]:
+            nxt = ids[req.mtp_num_tokens + 1:req.mtp_num_tokens + 1 + ready.shape[0]]
+            got.append(model.forward_mtp(cache, [req], [ready], [nxt])[0])
+        pending = h[-1:]
+    assert_matches_oracle(torch.cat(got), ref_mtp, quant_sim=False)
+
+
+def test_too_long_and_full_cache_raise_without_changing_state(micro):
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    cache = V4Cache(cfg, max_requests=1, max_total_tokens=48, page_size=4, max_seq_len=200)
+    req = cache.new_request()
+    with pytest.raises(ValueError, match="exceeds the maximum length 200"):
+        model.forward(cache, [req], [random_ids(201, 0, cfg.vocab_size)])
+    assert req.num_tokens == 0
+    # 48 tokens of budget = 3 ratio-4 pages of 4 entries + 1 per request; 100 tokens need 7
+    with pytest.raises(CacheCapacityError, match="ratio-4 compressed pool full"):
+        model.forward(cache, [req], [random_ids(100, 0, cfg.vocab_size)])
+    assert req.num_tokens == 0 and all(not t for t in req.tables.values())
+    cache.check_integrity()
+    with pytest.raises(CacheCapacityError, match="request slots"):
+        cache.new_request()
