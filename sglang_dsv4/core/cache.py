@@ -144,6 +144,10 @@ class V4Cache:
                     for q, n in zip(reqs, num_new)]
                 for r, pool in self.pools.items()}
 
+    def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
+        """Storage rows (in ``pools[ratio].tensors``) of the request's entries 0..num_entries-1."""
+        return self.pools[ratio].slots(req.tables[ratio], torch.arange(num_entries))
+
     # ---- snapshots -----------------------------------------------------------------------
     def snapshot(self, req: RequestState) -> Snapshot:
         """Capture ``req`` at its current position; shares its entries, copies its slot state."""

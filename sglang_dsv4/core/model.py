@@ -26,7 +26,8 @@ class _Segment:
     row0: int
     row1: int
     start: int
-    entry_rows: dict[int, Tensor]  # ratio -> storage rows of the entries this chunk completes
+    write_rows: dict[int, Tensor]  # ratio -> storage rows of the entries this chunk completes
+    read_rows: dict[int, Tensor]   # ratio -> storage rows of entries 0 .. end//ratio - 1
 
     @property
     def end(self) -> int:
@@ -56,11 +57,13 @@ class V4Model:
             if t.dim() != 1 or t.numel() == 0:
                 raise ValueError(f"token ids must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
             cache.check_length(req, t.numel())
-        entry_rows = cache.reserve_entries(reqs, [t.numel() for t in ids])
+        write_rows = cache.reserve_entries(reqs, [t.numel() for t in ids])
         segments, row = [], 0
         for i, (req, t) in enumerate(zip(reqs, ids)):
+            end = req.num_tokens + t.numel()
             segments.append(_Segment(req, row, row + t.numel(), req.num_tokens,
-                                     {r: rows[i] for r, rows in entry_rows.items()}))
+                                     {r: rows[i] for r, rows in write_rows.items()},
+                                     {r: cache.entry_rows(req, r, end // r) for r in write_rows}))
             row += t.numel()
         flat_ids = torch.cat(ids).to(self.w["embed.weight"].device)
         positions = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(flat_ids.device)
@@ -92,7 +95,7 @@ class V4Model:
                 raise ValueError("MTP cannot run ahead of the main model")
         segments, row = [], 0
         for req, t in zip(reqs, next_ids):
-            segments.append(_Segment(req, row, row + t.numel(), req.mtp_num_tokens, {}))
+            segments.append(_Segment(req, row, row + t.numel(), req.mtp_num_tokens, {}, {}))
             row += t.numel()
         flat_ids = torch.cat(next_ids)
         positions = torch.cat([torch.arange(s.start, s.end) for s in segments])
@@ -137,9 +140,9 @@ class V4Model:
                 new = self._compress(cache, seg, layer, ratio, a[rows], s[rows], w, "attn.compressor",
                                      freqs, is_indexer=False)
                 pool = cache.pools[ratio]
-                pool.tensors[f"main{layer}"][seg.entry_rows[ratio]] = new
+                pool.tensors[f"main{layer}"][seg.write_rows[ratio]] = new
                 n_entries = seg.end // ratio
-                entries = pool.gather(f"main{layer}", seg.req.tables[ratio], n_entries)
+                entries = pool.tensors[f"main{layer}"][seg.read_rows[ratio]]
                 visible = (pos + 1) // ratio
                 if ratio == 128:
                     j = torch.arange(n_entries, device=pos.device)
@@ -147,8 +150,8 @@ class V4Model:
                 else:
                     new_keys = self._compress(cache, seg, layer, 4, ia[rows], is_[rows], w,
                                               "attn.indexer.compressor", freqs, is_indexer=True)
-                    pool.tensors[f"index{layer}"][seg.entry_rows[4]] = new_keys
-                    index_keys = pool.gather(f"index{layer}", seg.req.tables[4], n_entries)
+                    pool.tensors[f"index{layer}"][seg.write_rows[4]] = new_keys
+                    index_keys = pool.tensors[f"index{layer}"][seg.read_rows[4]]
                     scores = ops.indexer_scores(qi[rows], hw[rows], index_keys)
                     comp_idx = ops.select_topk(scores, visible, cfg.index_topk)
                 idx = torch.cat((idx, torch.where(comp_idx >= 0, comp_idx + keys.shape[0], -1)), dim=1)

@@ -106,10 +106,6 @@ class EntryPagePool:
         pages = torch.tensor(table, dtype=torch.long)[entries // self.page_size] if len(table) else entries
         return pages * self.page_size + entries % self.page_size
 
-    def gather(self, name: str, table: list[int], num_entries: int) -> Tensor:
-        """Entries 0..num_entries-1 of one tensor, [num_entries, dim]."""
-        return self.tensors[name][self.slots(table, torch.arange(num_entries))]
-
     def check_integrity(self, live_tables: list[list[int]]) -> None:
         """Every page is free xor referenced exactly as often as live tables/snapshots hold it."""
         counts = [0] * self.num_pages
