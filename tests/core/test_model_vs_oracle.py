@@ -215,3 +215,18 @@ def test_too_long_and_full_cache_raise_without_changing_state(micro):
     cache.check_integrity()
     with pytest.raises(CacheCapacityError, match="request slots"):
         cache.new_request()
+
+
+def test_cache_allocation_matches_memory_accounting(micro):
+    """The core's own fp32 storage is what `sglang_dsv4.memory` reports for the fp32 layout."""
+    from sglang_dsv4.memory import cache_bytes
+
+    cfg, _ = micro
+    acct = cache_bytes(cfg, "fp32")
+    cache = V4Cache(cfg, max_requests=2, max_total_tokens=1024, page_size=4)
+    assert cache.slot_state_bytes() == acct.snapshot_bytes
+    assert cache.slot_state_bytes() == acct.window_bytes_per_request + acct.compressor_state_bytes_per_request
+    per_token = sum(
+        t[0].numel() * t.element_size() / r
+        for r, pool in cache.pools.items() for t in pool.tensors.values())
+    assert per_token == pytest.approx(acct.compressed_bytes_per_token)
