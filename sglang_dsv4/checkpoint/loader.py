@@ -174,11 +174,33 @@ def _describe(root: Path, problems: list[str]) -> str:
     return "\n".join(lines)
 
 
+def logical_from_stored(cfg: V4Config, stored: dict[str, torch.Tensor],
+                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Stored checkpoint tensors (as a model loader streams them) -> logical tensors by schema name.
+
+    Checks every name, shape and dtype first; raises CheckpointError listing the problems.
+    """
+    problems = []
+    for spec in checkpoint_tensors(cfg):
+        dtypes = stored_dtypes(spec)
+        for name, shape in spec.stored_shapes().items():
+            want = f"{format_shape(shape)} {dtype_name(dtypes[name])}"
+            t = stored.get(name)
+            if t is None:
+                problems.append(f"missing tensor {name} (expected shape {want})")
+            elif tuple(t.shape) != tuple(shape) or t.dtype != dtypes[name]:
+                problems.append(f"tensor {name}: expected shape {want}, got {format_shape(t.shape)} {dtype_name(t.dtype)}")
+    if problems:
+        raise CheckpointError(_describe(Path("<streamed weights>"), problems))
+    return {spec.name: _dequantize(spec, stored.__getitem__, dtype) for spec in checkpoint_tensors(cfg)}
+
+
 def _load_spec(spec: TensorSpec, weight_map: dict[str, str], shards: dict[str, Any],
                dtype: torch.dtype) -> torch.Tensor:
-    def get(name: str) -> torch.Tensor:
-        return shards[weight_map[name]].get_tensor(name)
+    return _dequantize(spec, lambda name: shards[weight_map[name]].get_tensor(name), dtype)
 
+
+def _dequantize(spec: TensorSpec, get, dtype: torch.dtype) -> torch.Tensor:
     if spec.storage is Storage.FP8:
         return dequantize_fp8_blockwise(get(spec.name), get(spec.scale_name)).to(dtype)
     if spec.storage is Storage.FP4:

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import V4Config
+from ..kernels.backend import AttentionBackend
+from ..kernels.dispatch import select_backend
+from ..kernels.kv_layout import RowLayout
 from .pages import EntryPagePool
 
 Tensor = torch.Tensor
@@ -57,42 +60,72 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.slot_state.values())
 
 
+def alloc_slot_state(cfg: V4Config, num_slots: int, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu", ring_layout: RowLayout | None = None) -> dict[str, Tensor]:
+    """Per-request state tensors, [num_slots, ...] each: what a slot owns and a snapshot copies.
+
+    The rings are float rows of ``dtype`` unless ``ring_layout`` (an attention backend's window
+    layout) says otherwise; each ring is one page of that layout.
+    """
+    Dh, Di, n4, n128 = cfg.head_dim, cfg.index_head_dim, len(cfg.c4_layers), len(cfg.c128_layers)
+    n_ring_layers = cfg.num_hidden_layers + cfg.num_mtp_layers
+
+    def zeros(*shape: int) -> Tensor:
+        return torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+
+    ring = (zeros(n_ring_layers, cfg.sliding_window, Dh) if ring_layout is None
+            else ring_layout.alloc(num_slots, n_ring_layers, device=device))
+    return {
+        "ring": ring,
+        "c4_main_a": zeros(n4, C4_STATE_ROWS, 2 * Dh), "c4_main_s": zeros(n4, C4_STATE_ROWS, 2 * Dh),
+        "c4_index_a": zeros(n4, C4_STATE_ROWS, 2 * Di), "c4_index_s": zeros(n4, C4_STATE_ROWS, 2 * Di),
+        "c128": zeros(n128, 3, Dh),
+    }
+
+
+def reset_slot_state(slot_state: dict[str, Tensor], slot: int) -> None:
+    """State of a request at position 0: only the C128 accumulator needs a value (empty group)."""
+    c128 = slot_state["c128"][slot]
+    c128[:, 0].fill_(float("-inf"))  # running max
+    c128[:, 1:].zero_()              # running sum, weighted sum
+
+
+def entry_dims(cfg: V4Config) -> dict[int, dict[str, int]]:
+    """Names and widths of the compressed-entry tensors per ratio (one per layer and kind)."""
+    return {4: {**{f"main{l}": cfg.head_dim for l in cfg.c4_layers},
+                **{f"index{l}": cfg.index_head_dim for l in cfg.c4_layers}},
+            128: {f"main{l}": cfg.head_dim for l in cfg.c128_layers}}
+
+
 class V4Cache:
-    """Owns all KV storage of the incremental model for up to ``max_requests`` running requests."""
+    """Owns all KV storage of the incremental model for up to ``max_requests`` running requests.
+
+    ``backend`` (an ``AttentionBackend`` or a name for ``kernels.dispatch.select_backend``; default
+    "auto": FlashMLA where it can run, else torch) fixes the storage format of the rings and
+    compressed entries and the attention kernel; ``dtype`` is that of the compressor state and of
+    float storage.
+    """
 
     def __init__(self, cfg: V4Config, max_requests: int = 8, max_total_tokens: int = 65536,
                  page_size: int = 64, max_seq_len: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 backend: AttentionBackend | str | None = "auto"):
         self.cfg, self.page_size, self.device = cfg, page_size, torch.device(device)
+        self.backend = select_backend(backend, cfg, self.device)
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
         self.c4_index = {layer: i for i, layer in enumerate(cfg.c4_layers)}
         self.c128_index = {layer: i for i, layer in enumerate(cfg.c128_layers)}
-        n_ring_layers = cfg.num_hidden_layers + cfg.num_mtp_layers
-        Dh, Di, n4, n128 = cfg.head_dim, cfg.index_head_dim, len(cfg.c4_layers), len(cfg.c128_layers)
 
-        def zeros(*shape: int) -> Tensor:
-            return torch.zeros(max_requests, *shape, dtype=dtype, device=self.device)
-
-        # Slot state: everything a request owns; a snapshot is a copy of one slot's rows.
-        self.slot_state: dict[str, Tensor] = {
-            "ring": zeros(n_ring_layers, cfg.sliding_window, Dh),
-            "c4_main_a": zeros(n4, C4_STATE_ROWS, 2 * Dh), "c4_main_s": zeros(n4, C4_STATE_ROWS, 2 * Dh),
-            "c4_index_a": zeros(n4, C4_STATE_ROWS, 2 * Di), "c4_index_s": zeros(n4, C4_STATE_ROWS, 2 * Di),
-            "c128": zeros(n128, 3, Dh),
-        }
+        self.slot_state = alloc_slot_state(cfg, max_requests, dtype, self.device,
+                                           self.backend.window_layout(cfg, dtype))
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
         # a token budget's worth of full pages, plus one partly filled page per running request
         pages = {r: -(-max_total_tokens // (r * page_size)) + max_requests for r in RATIOS}
-        self.pools = {
-            4: EntryPagePool(pages[4], page_size,
-                             {**{f"main{l}": Dh for l in cfg.c4_layers}, **{f"index{l}": Di for l in cfg.c4_layers}},
-                             dtype, self.device),
-            128: EntryPagePool(pages[128], page_size, {f"main{l}": Dh for l in cfg.c128_layers},
-                               dtype, self.device),
-        }
+        self.pools = {r: EntryPagePool(pages[r], page_size, layouts, dtype, self.device)
+                      for r, layouts in self.backend.entry_layouts(cfg, page_size, dtype).items()}
         self.live_requests: dict[int, RequestState] = {}
         self.live_snapshots: list[Snapshot] = []
 
@@ -102,14 +135,9 @@ class V4Cache:
         if not self._free_slots:
             raise CacheCapacityError(f"all {self.max_requests} request slots are in use")
         req = RequestState(slot=self._free_slots.pop())
-        self._reset_slot(req.slot)
+        reset_slot_state(self.slot_state, req.slot)
         self.live_requests[req.slot] = req
         return req
-
-    def _reset_slot(self, slot: int) -> None:
-        c128 = self.slot_state["c128"][slot]
-        c128[:, 0].fill_(float("-inf"))  # running max
-        c128[:, 1:].zero_()              # running sum, weighted sum
 
     def free_request(self, req: RequestState) -> None:
         """Return the slot and drop the request's references to shared pages."""
@@ -140,13 +168,13 @@ class V4Cache:
             if need > pool.num_free:
                 raise CacheCapacityError(f"ratio-{r} compressed pool full: need {need} pages, "
                                          f"{pool.num_free} of {pool.num_pages} free")
-        return {r: [pool.extend(q.tables[r], q.num_tokens // r, (q.num_tokens + n) // r)
+        return {r: [pool.extend(q.tables[r], q.num_tokens // r, (q.num_tokens + n) // r).to(self.device)
                     for q, n in zip(reqs, num_new)]
                 for r, pool in self.pools.items()}
 
     def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
         """Storage rows (in ``pools[ratio].tensors``) of the request's entries 0..num_entries-1."""
-        return self.pools[ratio].slots(req.tables[ratio], torch.arange(num_entries))
+        return self.pools[ratio].slots(req.tables[ratio], torch.arange(num_entries)).to(self.device)
 
     # ---- snapshots -----------------------------------------------------------------------
     def snapshot(self, req: RequestState) -> Snapshot:

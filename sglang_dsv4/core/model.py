@@ -1,8 +1,10 @@
 """The incremental V4 model: prefill chunks of any size and single-token decode over ``V4Cache``.
 
 A forward takes a batch of (request, new token ids). Per-token work (projections, hyper-
-connections, MoE) runs once over all tokens of the batch; the cache work (window ring, compressor
-state, compressed entries, indexer top-k) runs per request, vectorised over that request's tokens.
+connections, MoE) runs once over all tokens of the batch; the cache work (compressor state,
+compressed entries, indexer top-k) runs per request, vectorised over that request's tokens. The
+attention itself (window ring + selected entries + sink) goes to the cache's attention backend
+(``kernels.backend``) in one call per layer, which also owns the storage format.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import V4Config
+from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch, AttnSegment
 from . import ops
 from .cache import C4_STATE_ROWS, RequestState, V4Cache
 
@@ -45,14 +48,16 @@ class V4Model:
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, cache: V4Cache, reqs: list[RequestState], ids: list[Tensor],
-                return_streams: bool = False):
+                return_streams: bool = False, return_hidden: bool = False):
         """Process ``ids[i]`` as the next tokens of ``reqs[i]``.
 
-        -> logits per request ([n_i, V]); with return_streams also the final residual streams per
+        -> logits per request ([n_i, V]) or, with return_hidden, the normed final hidden states the
+        head is applied to ([n_i, D]); with return_streams also the final residual streams per
         request ([n_i, hc, D], the MTP block's input). Advances each request's ``num_tokens``.
         Raises ValueError (too long) or CacheCapacityError before touching any state.
         """
         cfg = self.cfg
+        self._check_backend(cache)
         for req, t in zip(reqs, ids):
             if t.dim() != 1 or t.numel() == 0:
                 raise ValueError(f"token ids must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
@@ -65,8 +70,8 @@ class V4Model:
                                      {r: rows[i] for r, rows in write_rows.items()},
                                      {r: cache.entry_rows(req, r, end // r) for r in write_rows}))
             row += t.numel()
-        flat_ids = torch.cat(ids).to(self.w["embed.weight"].device)
-        positions = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(flat_ids.device)
+        flat_ids = torch.cat(ids).to(self.device)
+        positions = self._positions(segments)
         h = self.w["embed.weight"][flat_ids].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         for i, lw in enumerate(self.layers):
             h = self._block(h, lw, i, cfg.layer_ratios[i], flat_ids, positions, segments, cache,
@@ -74,8 +79,10 @@ class V4Model:
         for s in segments:
             s.req.num_tokens = s.end
         y = ops.hc_head(h, self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"], cfg)
-        logits = self.logits(ops.rms_norm(y, self.w["norm.weight"], cfg.rms_norm_eps))
-        per_req = [logits[s.row0:s.row1] for s in segments]
+        out = ops.rms_norm(y, self.w["norm.weight"], cfg.rms_norm_eps)
+        if not return_hidden:
+            out = self.logits(out)
+        per_req = [out[s.row0:s.row1] for s in segments]
         if return_streams:
             return per_req, [h[s.row0:s.row1] for s in segments]
         return per_req
@@ -93,12 +100,13 @@ class V4Model:
         for req, t in zip(reqs, next_ids):
             if req.mtp_num_tokens + t.numel() > req.num_tokens:
                 raise ValueError("MTP cannot run ahead of the main model")
+        self._check_backend(cache)
         segments, row = [], 0
         for req, t in zip(reqs, next_ids):
             segments.append(_Segment(req, row, row + t.numel(), req.mtp_num_tokens, {}, {}))
             row += t.numel()
-        flat_ids = torch.cat(next_ids)
-        positions = torch.cat([torch.arange(s.start, s.end) for s in segments])
+        flat_ids = torch.cat(next_ids).to(self.device)
+        positions = self._positions(segments)
         h = ops.mtp_input(torch.cat(streams), flat_ids, self.w["embed.weight"], w, cfg)
         h = self._block(h, w, cfg.num_hidden_layers, cfg.compress_ratios[cfg.num_hidden_layers],
                         flat_ids, positions, segments, cache, hash_routed=False, mtp=True)
@@ -128,52 +136,60 @@ class V4Model:
         kv = ops.project_kv(x, w, positions, freqs, cfg, qs)
         if ratio:
             a, s = ops.compressor_projections(x, w, "attn.compressor", positions, ratio)
+            pool = cache.pools[ratio]
         if ratio == 4:
             ia, is_ = ops.compressor_projections(x, w, "attn.indexer.compressor", positions, 4)
             qi, hw = ops.indexer_queries(x, qr, w, positions, freqs, cfg, qs)
-        o = torch.empty_like(q)
+        attn_segments = []
         for seg in segments:  # cache work per request, vectorised over its tokens
             rows = slice(seg.row0, seg.row1)
             pos = positions[rows]
-            keys, idx = self._window_keys(cache, seg, layer, kv[rows], pos)
+            aseg = AttnSegment(seg.req.slot, seg.start, seg.row0, seg.row1)
             if ratio:
                 new = self._compress(cache, seg, layer, ratio, a[rows], s[rows], w, "attn.compressor",
                                      freqs, is_indexer=False)
-                pool = cache.pools[ratio]
-                pool.tensors[f"main{layer}"][seg.write_rows[ratio]] = new
-                n_entries = seg.end // ratio
-                entries = pool.tensors[f"main{layer}"][seg.read_rows[ratio]]
+                pool.write(f"main{layer}", seg.write_rows[ratio], new)
                 visible = (pos + 1) // ratio
                 if ratio == 128:
-                    j = torch.arange(n_entries, device=pos.device)
-                    comp_idx = torch.where(j[None, :] < visible[:, None], j[None, :], -1)
+                    j = torch.arange(seg.end // ratio, device=pos.device)
+                    aseg.comp_idx = torch.where(j[None, :] < visible[:, None], j[None, :], -1)
                 else:
                     new_keys = self._compress(cache, seg, layer, 4, ia[rows], is_[rows], w,
                                               "attn.indexer.compressor", freqs, is_indexer=True)
-                    pool.tensors[f"index{layer}"][seg.write_rows[4]] = new_keys
-                    index_keys = pool.tensors[f"index{layer}"][seg.read_rows[4]]
-                    scores = ops.indexer_scores(qi[rows], hw[rows], index_keys)
-                    comp_idx = ops.select_topk(scores, visible, cfg.index_topk)
-                idx = torch.cat((idx, torch.where(comp_idx >= 0, comp_idx + keys.shape[0], -1)), dim=1)
-                keys = torch.cat((keys, entries), dim=0)
-            o[rows] = ops.sparse_attention(q[rows], keys, idx, w["attn.attn_sink"], cfg.softmax_scale)
-            self._write_ring(cache, seg, layer, kv[rows], pos)
+                    pool.write(f"index{layer}", seg.write_rows[4], new_keys)
+                    index_keys = pool.read(f"index{layer}", seg.read_rows[4])
+                    scores = ops.indexer_scores(qi[rows], hw[rows], index_keys.to(qi.dtype))
+                    aseg.comp_idx = ops.select_topk(scores, visible, cfg.index_topk)
+                aseg.entry_rows = seg.read_rows[ratio]
+            attn_segments.append(aseg)
+        backend = self._backend(cache)
+        o = backend.attend(AttnBatch(
+            q, kv, positions, attn_segments,
+            ring=cache.slot_state["ring"][:, layer],
+            ring_layout=backend.window_layout(cfg, cache.slot_state["ring"].dtype),
+            entries=pool.tensors[f"main{layer}"] if ratio else None,
+            entry_layout=pool.layouts[f"main{layer}"] if ratio else None,
+            sink=w["attn.attn_sink"], scale=cfg.softmax_scale))
         return ops.attention_output(o, w, positions, freqs, cfg)
 
-    # ---- window ring -------------------------------------------------------------------------
-    def _window_keys(self, cache: V4Cache, seg: _Segment, layer: int, kv: Tensor,
-                     pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys = ring rows of positions max(0, start-W+1)..start-1, then the chunk's own rows."""
-        W = self.cfg.sliding_window
-        ring = cache.slot_state["ring"][seg.req.slot, layer]
-        first = max(0, seg.start - W + 1)
-        prev = ring[torch.arange(first, seg.start, device=pos.device) % W]
-        return torch.cat((prev, kv), dim=0), ops.window_indices(pos, W, first)
+    # ---- backend and devices ---------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.w["embed.weight"].device
 
-    def _write_ring(self, cache: V4Cache, seg: _Segment, layer: int, kv: Tensor, pos: Tensor) -> None:
-        W = self.cfg.sliding_window
-        keep = pos >= seg.end - W
-        cache.slot_state["ring"][seg.req.slot, layer, pos[keep] % W] = kv[keep]
+    def _positions(self, segments: list[_Segment]) -> Tensor:
+        return torch.cat([torch.arange(s.start, s.end, device=self.device) for s in segments])
+
+    @staticmethod
+    def _backend(cache: V4Cache) -> AttentionBackend:
+        # a cache that names no backend (e.g. one duck-typing V4Cache) stores float rows
+        return getattr(cache, "backend", None) or TORCH_BACKEND
+
+    def _check_backend(self, cache: V4Cache) -> None:
+        backend = self._backend(cache)
+        if backend.needs_quant_sim and not self.quant_sim:
+            raise ValueError(f"attention backend {backend.name} stores KV in fp8, which is exact only for the "
+                             "FP8/FP4-QAT'ed vectors: run the model with quant_sim=True")
 
     # ---- compressors -------------------------------------------------------------------------
     def _compress(self, cache: V4Cache, seg: _Segment, layer: int, ratio: int, a: Tensor, s: Tensor,

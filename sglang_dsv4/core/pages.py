@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.kv_layout import FloatRows, RowLayout
+
 Tensor = torch.Tensor
 
 
@@ -21,15 +23,21 @@ class OutOfPagesError(RuntimeError):
 
 
 class EntryPagePool:
-    """Pages of ``page_size`` entries; ``tensors[name]`` has shape [num_pages * page_size, dim]."""
+    """Pages of ``page_size`` entries. ``dims`` gives each stored tensor a width (float rows of
+    ``dtype``: ``tensors[name]`` is [num_pages * page_size, dim]) or a ``RowLayout`` (its page
+    buffer, e.g. FlashMLA's fp8 layout); entries are read and written through ``read``/``write``."""
 
-    def __init__(self, num_pages: int, page_size: int, dims: dict[str, int],
+    def __init__(self, num_pages: int, page_size: int, dims: dict[str, int | RowLayout],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
-        self.tensors = {name: torch.zeros(num_pages * page_size, dim, dtype=dtype, device=device)
-                        for name, dim in dims.items()}
+        self.layouts: dict[str, RowLayout] = {
+            name: d if isinstance(d, RowLayout) else FloatRows(page_size, d, dtype) for name, d in dims.items()}
+        for name, layout in self.layouts.items():
+            if layout.page_size != page_size:
+                raise ValueError(f"{name}: layout pages of {layout.page_size} rows in a pool of {page_size}-entry pages")
+        self.tensors = {name: layout.alloc_pool(num_pages, device) for name, layout in self.layouts.items()}
         self.refcount = [0] * num_pages
         self.filled = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))
@@ -40,7 +48,8 @@ class EntryPagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def _alloc(self) -> int:
+    def alloc(self) -> int:
+        """Take a free page (refcount 1, empty)."""
         if not self._free:
             raise OutOfPagesError(f"compressed KV pool exhausted ({self.num_pages} pages of {self.page_size} entries)")
         page = self._free.pop()
@@ -89,14 +98,14 @@ class EntryPagePool:
         offset = start % ps
         if offset and self.filled[table[-1]] != offset:
             # Another request appended past our prefix in this page: copy our head, then append.
-            page, new = table[-1], self._alloc()
-            for t in self.tensors.values():
-                t[new * ps:new * ps + offset] = t[page * ps:page * ps + offset]
+            page, new = table[-1], self.alloc()
+            for name, t in self.tensors.items():
+                self.layouts[name].copy_head(t, page, new, offset)
             self.decref([page])
             table[-1] = new
             self.num_copies += 1
         while len(table) < self.pages_for(end):
-            table.append(self._alloc())
+            table.append(self.alloc())
         for j in range(start // ps, len(table)):
             self.filled[table[j]] = max(self.filled[table[j]], min(ps, end - j * ps))
         return self.slots(table, torch.arange(start, end))
@@ -105,6 +114,14 @@ class EntryPagePool:
         """Storage rows of entry indices ``entries`` under ``table``."""
         pages = torch.tensor(table, dtype=torch.long)[entries // self.page_size] if len(table) else entries
         return pages * self.page_size + entries % self.page_size
+
+    def write(self, name: str, rows: Tensor, x: Tensor) -> None:
+        """Store entries x [n, dim] of tensor ``name`` at storage rows ``rows``."""
+        self.layouts[name].write(self.tensors[name], rows, x)
+
+    def read(self, name: str, rows: Tensor) -> Tensor:
+        """Entries of tensor ``name`` at storage rows ``rows`` -> [n, dim]."""
+        return self.layouts[name].read(self.tensors[name], rows)
 
     def check_integrity(self, live_tables: list[list[int]]) -> None:
         """Every page is free xor referenced exactly as often as live tables/snapshots hold it."""

@@ -1,0 +1,84 @@
+"""Launch SGLang's server for a V4 model, on GPU or on a CPU-only machine.
+
+    python -m sglang_dsv4.launch_server --model-path {micro,tiny,DIR} [SGLang server arguments]
+
+``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
+``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
+run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
+site-packages (SGLang imports it before plugins run), torch-native attention and sampling, no
+CUDA graphs or overlap scheduling, float32, and a KV cap so the pool is not sized from system RAM.
+Arguments given on the command line always win over these defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TINY_PRESETS = ("micro", "tiny")
+CPU_DEFAULTS = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--sampling-backend": "pytorch",
+    "--dtype": "float32",
+    "--max-total-tokens": "65536",
+    "--max-running-requests": "16",
+    "--chunked-prefill-size": "2048",
+}
+CPU_FLAGS = ("--disable-cuda-graph", "--disable-overlap-schedule")
+SHIM_DIR = Path(__file__).parent / "srt" / "cpu_shim"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SGLANG_DSV4_CACHE", Path.home() / ".cache" / "sglang_dsv4"))
+
+
+def resolve_model_path(args: list[str]) -> list[str]:
+    """Replace ``--model-path micro|tiny`` by the path of that tiny checkpoint, built if needed."""
+    out = list(args)
+    for i, a in enumerate(out):
+        name = None
+        if a in ("--model-path", "--model") and i + 1 < len(out):
+            name, idx = out[i + 1], i + 1
+        elif a.startswith("--model-path="):
+            name, idx = a.split("=", 1)[1], i
+        if name in TINY_PRESETS:
+            from .tiny import ensure_tiny
+
+            path = str(ensure_tiny(name, 0, cache_dir()))
+            out[idx] = path if idx != i else f"--model-path={path}"
+    return out
+
+
+def cpu_arguments(args: list[str]) -> list[str]:
+    """SGLang arguments for the CPU, the user's own taking precedence."""
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    extra = [x for k, v in CPU_DEFAULTS.items() if k not in given for x in (k, v)]
+    extra += [f for f in CPU_FLAGS if f not in given]
+    return list(args) + extra
+
+
+def build_command(argv: list[str], cuda: bool) -> tuple[list[str], dict[str, str]]:
+    args = resolve_model_path(argv)
+    env = dict(os.environ)
+    if not cuda:
+        args = cpu_arguments(args)
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM_DIR), env.get("PYTHONPATH")]))
+    return [sys.executable, "-m", "sglang.launch_server", *args], env
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not any(a == "--model-path" or a.startswith("--model-path=") or a == "--model" for a in argv):
+        argv = ["--model-path", "micro", *argv]
+    cmd, env = build_command(argv, torch.cuda.is_available())
+    print("sglang_dsv4: " + " ".join(cmd), flush=True)
+    os.execvpe(cmd[0], cmd, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""``DeepseekV4ForCausalLM`` as SGLang instantiates it: a thin adapter around ``core.V4Model``.
+
+SGLang gives each forward a batch of requests (rows of ``req_to_token``) with their cached prefix
+and new tokens; we bind each row to its V4 request state (``state.SglangV4Cache``), run the core
+model, take the snapshots the radix cache asked for at divergence points, and hand the final
+hidden states to SGLang's LogitsProcessor (sampling, logprobs, grammar masks stay SGLang's).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..checkpoint.loader import logical_from_stored
+from ..config import V4Config
+from ..core.model import V4Model
+from .state import SglangV4Cache
+
+logger = logging.getLogger(__name__)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """SGLang model class for V4 checkpoints, backed by the two-segment cache."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__()
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+        from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+        self.config = config
+        self.v4 = V4Config.from_dict(config.to_dict())
+        self.lm_head = ParallelLMHead(self.v4.vocab_size, self.v4.hidden_size)
+        self.logits_processor = LogitsProcessor(config)
+        self.core: V4Model | None = None
+        self.cache: SglangV4Cache | None = None
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors as stored (fp8 + scales, packed fp4, ...) -> the core's weights."""
+        stored = {name: t for name, t in weights}
+        tensors = logical_from_stored(self.v4, stored, torch.float32)
+        device = self.lm_head.weight.device
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+        self.lm_head.weight.data.copy_(tensors["head.weight"])
+        self.core = V4Model(self.v4, tensors)
+        logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s)", len(tensors),
+                    self.v4.num_hidden_layers, list(self.v4.layer_ratios))
+
+    # ---- forward ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, *args, **kwargs):
+        fb = forward_batch
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("sglang_dsv4: the V4 cache was not attached to SGLang's memory pools "
+                               "(is the sglang_dsv4 plugin loaded?)")
+        mode = fb.forward_mode
+        rows = fb.req_pool_indices.tolist()
+        if mode.is_extend():
+            prefix_lens, new_lens = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+        else:
+            new_lens = [1] * len(rows)
+            prefix_lens = [int(s) - 1 for s in fb.seq_lens_cpu.tolist()]
+        generations = self.req_generation
+        states = [cache.bind(r, int(generations[r]), p) for r, p in zip(rows, prefix_lens)]
+        pieces = list(torch.split(input_ids, new_lens))
+        hidden = self._run(cache, rows, [int(generations[r]) for r in rows], states, pieces)
+        return self.logits_processor(input_ids, hidden, self.lm_head, fb)
+
+    def _run(self, cache: SglangV4Cache, rows: list[int], generations: list[int], states, pieces):
+        """Core forward; a request with a wanted snapshot inside its chunk is cut there, run in
+        passes, and snapshotted between them."""
+        points, cuts = [], []
+        for row, gen, st, ids in zip(rows, generations, states, pieces):
+            end = st.num_tokens + ids.numel()
+            points.append(cache.fork_points(row, gen, st.num_tokens, end))
+            cuts.append([0] + [p - st.num_tokens for p in points[-1] if p < end] + [ids.numel()])
+        outputs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for step in range(max(len(c) for c in cuts) - 1):
+            todo = [i for i, c in enumerate(cuts) if step < len(c) - 1]
+            hidden = self.core.forward(cache, [states[i] for i in todo],
+                                       [pieces[i][cuts[i][step]:cuts[i][step + 1]] for i in todo],
+                                       return_hidden=True)
+            for i, h in zip(todo, hidden):
+                outputs[i].append(h)
+                if states[i].num_tokens in points[i]:
+                    cache.take_snapshot(states[i])
+        return torch.cat([torch.cat(o) for o in outputs]).to(self.lm_head.weight.dtype)
+
+    def attach_sglang_pools(self, req_to_token_pool, token_allocator) -> None:
+        """Build the V4 cache beside SGLang's pools: one slot state per request row, one entry
+        side-table position per token slot."""
+        rows, max_len = req_to_token_pool.req_to_token.shape
+        num_slots = int(token_allocator.size) + int(token_allocator.page_size) + 1
+        self.cache = SglangV4Cache(self.v4, rows, num_slots, max_seq_len=max_len,
+                                   device=self.lm_head.weight.device)
+        self.cache.req_to_token = req_to_token_pool.req_to_token
+        self.req_generation = req_to_token_pool.req_generation  # bumped when a row changes hands
+        per_req = sum(v[0].numel() * v.element_size() for v in self.cache.slot_state.values())
+        entry_bytes = {r: sum(t.numel() * t.element_size() for t in p.tensors.values())
+                       for r, p in self.cache.pools.items()}
+        logger.info("sglang_dsv4 memory: %d request rows x %d B of window ring + compressor state "
+                    "= %d B; compressed entries for %d token slots: C4 %d B, C128 %d B; snapshots: "
+                    "%d B each, freed with their token slot", rows, per_req, rows * per_req,
+                    num_slots, entry_bytes[4], entry_bytes[128], per_req)

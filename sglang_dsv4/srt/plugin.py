@@ -1,0 +1,148 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``): serve V4 with our model and cache.
+
+SGLang keys its own V4 machinery (paged SWA pool, page size 256, SWA allocator, the ``dsv4``
+attention backend, the V4 radix-tree components) on the architecture string. We keep the string
+(real checkpoints resolve to our class) and steer each of those switches through SGLang's
+extension points; ``patches/`` lists every one with the upstream function it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+ARCH = "DeepseekV4ForCausalLM"
+RADIX_BACKEND = "dsv4"
+
+
+def _is_ours(architecture: str | None) -> bool:
+    return architecture == ARCH
+
+
+def register() -> None:
+    """Called by SGLang's plugin loader in the launcher, scheduler and detokenizer processes."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _register_model_override()
+    HookRegistry.register("sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults",
+                          _skip_v4_defaults, HookType.AROUND)
+    HookRegistry.register("sglang.srt.configs.model_config.is_deepseek_v4",
+                          _not_upstream_v4, HookType.AROUND)
+    HookRegistry.register("sglang.srt.utils.hf_transformers.config.get_config",
+                          _hide_quantization_config, HookType.AFTER)
+    HookRegistry.register("sglang.srt.mem_cache.registry.default_radix_cache_factory",
+                          _radix_cache_factory, HookType.AROUND)
+    for allocator in ("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free",
+                      "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free"):
+        HookRegistry.register(allocator, _after_token_slots_freed, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components",
+        _after_memory_pools, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+                          _after_prepare_for_extend, HookType.AFTER)
+    _register_model_class()
+    _register_radix_backend()
+
+
+# ---- what each hook does --------------------------------------------------------------------
+
+def _register_model_override() -> None:
+    """Replace upstream's V4 server-arg overrides (dsv4 backend, page 256, SWA ratio) with ours:
+    an ordinary full-attention pool of page size 1 (token-granular prefix matches)."""
+    import sglang.srt.arg_groups.overrides  # noqa: F401  (registers upstream's overrides first)
+    from sglang.srt.arg_groups.model_override_base import _MODEL_OVERRIDE_FNS, register_model_override
+
+    _MODEL_OVERRIDE_FNS.pop(ARCH, None)
+
+    @register_model_override(ARCH)
+    def _dsv4_overrides(server_args, hf_config) -> dict:
+        return {"disable_hybrid_swa_memory": True, "page_size": 1}
+
+
+def _skip_v4_defaults(original, server_args, model_arch, *args, **kwargs):
+    """Upstream's V4 defaults (fp8 KV, flashmla backend, 256 running requests) target its pool."""
+    if _is_ours(model_arch):
+        return None
+    return original(server_args, model_arch, *args, **kwargs)
+
+
+def _not_upstream_v4(original, config, *args, **kwargs):
+    """Keep upstream's V4 KV pool, loader and scheduler special cases away from our model."""
+    architectures = getattr(config, "architectures", None) or []
+    if ARCH in architectures:
+        return False
+    return original(config, *args, **kwargs)
+
+
+def _hide_quantization_config(config, *args, **kwargs):
+    """Our model reads the fp8/fp4 checkpoint formats itself (``checkpoint.schema``): SGLang must
+    not build its Fp8 linear methods, MoE block checks or dtype rules around it."""
+    if ARCH in (getattr(config, "architectures", None) or []):
+        config.quantization_config = None
+    return config
+
+
+def _radix_cache_factory(original, ctx):
+    """Our snapshot-aware radix cache for our model; upstream's choice for every other model."""
+    architectures = getattr(ctx.model_config.hf_config, "architectures", None) or []
+    if ARCH in architectures and not ctx.disable_radix_cache:
+        from .radix_cache import SnapshotRadixCache
+
+        return SnapshotRadixCache(ctx.params)
+    return original(ctx)
+
+
+def _after_token_slots_freed(result, allocator, free_index, *args, **kwargs):
+    """Token slots went back to the allocator: drop the compressed entries and snapshots they own.
+
+    A free inside a free group is deferred by the allocator; it is seen again at the group's end.
+    """
+    if getattr(allocator, "free_group", None) is None:
+        from .state import on_token_slots_freed
+
+        on_token_slots_freed(free_index)
+    return result
+
+
+def _after_memory_pools(result, runner, *args, **kwargs):
+    """SGLang's pools exist now: size our V4 cache from them (the model holds no reference)."""
+    attach = getattr(getattr(runner, "model", None), "attach_sglang_pools", None)
+    if attach is not None:
+        attach(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
+    return result
+
+
+def _after_prepare_for_extend(result, batch, *args, **kwargs):
+    """Rows are known now: pass each request's wanted divergence snapshot to the model's cache."""
+    from .radix_cache import FORK_ATTR
+    from .state import active_cache
+
+    cache = active_cache()
+    if cache is not None:
+        generations = batch.req_to_token_pool.req_generation
+        for req in batch.reqs:
+            position, row = getattr(req, FORK_ATTR, None), req.kv.req_pool_idx
+            if position is not None and row is not None:
+                cache.want_snapshot(row, int(generations[row]), position)
+    return result
+
+
+def _register_model_class() -> None:
+    from sglang.srt.models.registry import ModelRegistry
+
+    from .model import DeepseekV4ForCausalLM
+
+    ModelRegistry.models[ARCH] = DeepseekV4ForCausalLM
+
+
+def _register_radix_backend() -> None:
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    if get_radix_cache_factory(RADIX_BACKEND) is None:
+        def factory(ctx):
+            from .radix_cache import SnapshotRadixCache
+
+            return SnapshotRadixCache(ctx.params)
+
+        register_radix_cache_backend(RADIX_BACKEND, factory)

@@ -1,0 +1,58 @@
+"""SGLang's token-granular RadixCache, with matches limited to where V4 can resume exactly.
+
+The tree itself is upstream's (page size 1): it owns token slots, and through them the
+compressed entries (``state.SglangV4Cache``). What it cannot share is the window ring and the
+compressor's partial group, so a cached prefix is usable only up to a position P whose token
+slot P-1 owns a snapshot. This class
+  - cuts each request's match back to the deepest such P (``cached_tokens`` then reports exactly
+    what is not recomputed), and asks for a snapshot where the request's tokens leave the cached
+    path (the divergence point D > P), so the next request diverging there hits it;
+  - takes a snapshot when a request's tokens are published (``checkpoint``: chunk ends and the
+    finish), and moves snapshots from slots the tree deduplicates to the tree's own slots.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+from .state import active_cache
+
+logger = logging.getLogger(__name__)
+
+FORK_ATTR = "dsv4_fork_at"
+
+
+class SnapshotRadixCache(RadixCache):
+    """RadixCache whose matches end only at V4 snapshot positions."""
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        result = super().match_prefix(params)
+        cache = active_cache()
+        if params.req is None or cache is None or result.device_prefix_len == 0:
+            return result  # internal re-matches (checkpoint) keep the full path
+        full_len = result.device_prefix_len
+        slots = self.path_device_indices(result.last_device_node)[:full_len]
+        resume = cache.deepest_snapshot(slots)
+        if resume < full_len:
+            # the request passes D = full_len on its own: snapshot it there for the next one
+            setattr(params.req, FORK_ATTR, full_len)
+            result = (super().match_prefix(MatchPrefixParams(key=params.key[:resume], req=params.req))
+                      if resume else self._empty_match_result)
+        return result
+
+    def checkpoint(self, req, *, up_to: int):
+        cache = active_cache()
+        if self.disable or cache is None:
+            return super().checkpoint(req, up_to=up_to)
+        row = req.kv.req_pool_idx
+        state = cache.rows.get(row)
+        if state is not None and state.state.num_tokens == up_to:
+            cache.take_snapshot(state.state)
+        own = self.req_to_token_pool.req_to_token[row, :up_to].clone()
+        with cache.deferred_frees():
+            super().checkpoint(req, up_to=up_to)
+            tree = self.req_to_token_pool.req_to_token[row, :up_to]
+            cache.move_snapshots(own, tree)
