@@ -2,6 +2,7 @@
 
     python -m sglang_dsv4.launch_server --model-path {micro,tiny,DIR} [SGLang server arguments]
 
+``--dsv4-snapshot-budget-mb N`` bounds the memory of fork-point snapshots (LRU beyond it).
 ``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
@@ -12,6 +13,7 @@ Arguments given on the command line always win over these defaults.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -59,8 +61,37 @@ def cpu_arguments(args: list[str]) -> list[str]:
     return list(args) + extra
 
 
+def snapshot_budget_argument(args: list[str]) -> list[str]:
+    """``--dsv4-snapshot-budget-mb N`` -> the model config override our model reads."""
+    out, budget = [], None
+    it = iter(args)
+    for a in it:
+        if a == "--dsv4-snapshot-budget-mb":
+            budget = next(it, None)
+        elif a.startswith("--dsv4-snapshot-budget-mb="):
+            budget = a.split("=", 1)[1]
+        else:
+            out.append(a)
+    if budget is None:
+        return out
+    try:
+        value = float(budget)
+    except ValueError:
+        raise SystemExit(f"--dsv4-snapshot-budget-mb: expected a number of MiB, got {budget!r}") from None
+    if value < 0:
+        raise SystemExit(f"--dsv4-snapshot-budget-mb: must be >= 0, got {budget}")
+    if "--json-model-override-args" in out:
+        i = out.index("--json-model-override-args")
+        overrides = json.loads(out[i + 1])
+        overrides["dsv4_snapshot_budget_mb"] = value
+        out[i + 1] = json.dumps(overrides)
+    else:
+        out += ["--json-model-override-args", json.dumps({"dsv4_snapshot_budget_mb": value})]
+    return out
+
+
 def build_command(argv: list[str], cuda: bool) -> tuple[list[str], dict[str, str]]:
-    args = resolve_model_path(argv)
+    args = snapshot_budget_argument(resolve_model_path(argv))
     env = dict(os.environ)
     if not cuda:
         args = cpu_arguments(args)

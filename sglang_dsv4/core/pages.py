@@ -56,6 +56,16 @@ class EntryPagePool:
         self.refcount[page], self.filled[page] = 1, 0
         return page
 
+    def grow(self, extra_pages: int) -> None:
+        """Add ``extra_pages`` free pages (tensors are reallocated; storage rows keep their index)."""
+        old = self.num_pages
+        self.num_pages += extra_pages
+        for name, t in self.tensors.items():
+            self.tensors[name] = torch.cat((t, t.new_zeros(extra_pages * self.page_size, t.shape[1])))
+        self.refcount += [0] * extra_pages
+        self.filled += [0] * extra_pages
+        self._free = list(range(self.num_pages - 1, old - 1, -1)) + self._free
+
     def incref(self, pages: list[int]) -> None:
         for p in pages:
             self.refcount[p] += 1

@@ -20,6 +20,7 @@ from ..core.model import V4Model
 from .state import SglangV4Cache
 
 logger = logging.getLogger(__name__)
+SNAPSHOT_BUDGET_KEY = "dsv4_snapshot_budget_mb"  # read from the HF config (json model overrides)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -36,6 +37,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config)
         self.core: V4Model | None = None
         self.cache: SglangV4Cache | None = None
+        self.metrics = None
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -68,6 +70,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         states = [cache.bind(r, int(generations[r]), p) for r, p in zip(rows, prefix_lens)]
         pieces = list(torch.split(input_ids, new_lens))
         hidden = self._run(cache, rows, [int(generations[r]) for r in rows], states, pieces)
+        if mode.is_extend():
+            cache.stats["prompt_tokens_computed"] += sum(new_lens)
+        if self.metrics is not None:
+            self.metrics.update()
         return self.logits_processor(input_ids, hidden, self.lm_head, fb)
 
     def _run(self, cache: SglangV4Cache, rows: list[int], generations: list[int], states, pieces):
@@ -90,19 +96,28 @@ class DeepseekV4ForCausalLM(nn.Module):
                     cache.take_snapshot(states[i])
         return torch.cat([torch.cat(o) for o in outputs]).to(self.lm_head.weight.dtype)
 
-    def attach_sglang_pools(self, req_to_token_pool, token_allocator) -> None:
+    def attach_sglang_pools(self, req_to_token_pool, token_allocator, enable_metrics: bool = False) -> None:
         """Build the V4 cache beside SGLang's pools: one slot state per request row, one entry
         side-table position per token slot."""
         rows, max_len = req_to_token_pool.req_to_token.shape
         num_slots = int(token_allocator.size) + int(token_allocator.page_size) + 1
+        budget_mb = getattr(self.config, SNAPSHOT_BUDGET_KEY, None)
         self.cache = SglangV4Cache(self.v4, rows, num_slots, max_seq_len=max_len,
+                                   snapshot_budget_bytes=None if budget_mb is None else int(budget_mb * 2**20),
                                    device=self.lm_head.weight.device)
         self.cache.req_to_token = req_to_token_pool.req_to_token
         self.req_generation = req_to_token_pool.req_generation  # bumped when a row changes hands
         per_req = sum(v[0].numel() * v.element_size() for v in self.cache.slot_state.values())
         entry_bytes = {r: sum(t.numel() * t.element_size() for t in p.tensors.values())
                        for r, p in self.cache.pools.items()}
-        logger.info("sglang_dsv4 memory: %d request rows x %d B of window ring + compressor state "
-                    "= %d B; compressed entries for %d token slots: C4 %d B, C128 %d B; snapshots: "
-                    "%d B each, freed with their token slot", rows, per_req, rows * per_req,
-                    num_slots, entry_bytes[4], entry_bytes[128], per_req)
+        if enable_metrics:
+            from .metrics import V4CacheMetrics
+
+            self.metrics = V4CacheMetrics(self.cache)
+        budget = self.cache.snapshot_budget_bytes
+        logger.info("sglang_dsv4 memory: rings + compressor state %d B (%d request rows x %d B); "
+                    "compressed entries %d B (C4 %d B + C128 %d B, for %d token slots, grown on demand); "
+                    "snapshots budget %d B (%d snapshots of %d B, LRU; set %s in "
+                    "--json-model-override-args)", rows * per_req, rows, per_req,
+                    entry_bytes[4] + entry_bytes[128], entry_bytes[4], entry_bytes[128], num_slots,
+                    budget, budget // per_req, per_req, SNAPSHOT_BUDGET_KEY)

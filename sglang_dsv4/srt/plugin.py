@@ -33,6 +33,8 @@ def register() -> None:
                           _hide_quantization_config, HookType.AFTER)
     HookRegistry.register("sglang.srt.mem_cache.registry.default_radix_cache_factory",
                           _radix_cache_factory, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows",
+                          _after_request_rows_freed, HookType.AFTER)
     for allocator in ("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free",
                       "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free"):
         HookRegistry.register(allocator, _after_token_slots_freed, HookType.AFTER)
@@ -109,7 +111,8 @@ def _after_memory_pools(result, runner, *args, **kwargs):
     """SGLang's pools exist now: size our V4 cache from them (the model holds no reference)."""
     attach = getattr(getattr(runner, "model", None), "attach_sglang_pools", None)
     if attach is not None:
-        attach(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
+        enable_metrics = bool(getattr(runner.server_args, "enable_metrics", False))
+        attach(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, enable_metrics)
     return result
 
 
@@ -125,6 +128,14 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
             position, row = getattr(req, FORK_ATTR, None), req.kv.req_pool_idx
             if position is not None and row is not None:
                 cache.want_snapshot(row, int(generations[row]), position)
+    return result
+
+
+def _after_request_rows_freed(result, pool, indices, *args, **kwargs):
+    """A request row went back to SGLang: its ring and compressor state are free."""
+    from .state import on_request_rows_freed
+
+    on_request_rows_freed(list(indices))
     return result
 
 

@@ -43,6 +43,14 @@ class SnapshotRadixCache(RadixCache):
                       if resume else self._empty_match_result)
         return result
 
+    def reset(self):
+        """Flushing the tree (``/flush_cache``) releases every token slot at once, without a
+        per-slot free: release what the slots owned too."""
+        super().reset()
+        cache = active_cache()
+        if cache is not None:
+            cache.clear_token_state()
+
     def checkpoint(self, req, *, up_to: int):
         cache = active_cache()
         if self.disable or cache is None:

@@ -15,6 +15,7 @@ Only the radix tree decides what stays cached; we follow its token-slot lifetime
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -41,6 +42,11 @@ def on_token_slots_freed(slots: Tensor) -> None:
         _ACTIVE.free_token_slots(slots)
 
 
+def on_request_rows_freed(rows: list[int]) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.release_rows(rows)
+
+
 @dataclass
 class SlotSnapshot:
     """Slot state at position ``num_tokens``; its entries are reachable through the prefix's slots."""
@@ -63,6 +69,7 @@ class SglangV4Cache:
     """Duck-types ``core.cache.V4Cache`` for ``V4Model``, with SGLang owning the lifetimes."""
 
     def __init__(self, cfg: V4Config, num_req_rows: int, num_token_slots: int, max_seq_len: int,
+                 snapshot_budget_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         global _ACTIVE
         self.cfg, self.device, self.max_seq_len = cfg, torch.device(device), max_seq_len
@@ -73,12 +80,17 @@ class SglangV4Cache:
         self.pools = {r: EntryPagePool(num_token_slots // r + num_req_rows + 1, 1, dims, dtype, self.device)
                       for r, dims in entry_dims(cfg).items()}
         self.entry_of_slot = {r: torch.full((num_token_slots,), -1, dtype=torch.long) for r in RATIOS}
-        self.snapshots: dict[int, SlotSnapshot] = {}
+        # LRU order: least recently taken/matched/restored first
+        self.snapshots: OrderedDict[int, SlotSnapshot] = OrderedDict()
+        self.snapshot_bytes_each = sum(v[0].numel() * v.element_size() for v in self.slot_state.values())
+        self.snapshot_budget_bytes = (snapshot_budget_bytes if snapshot_budget_bytes is not None
+                                      else max(64, 4 * num_req_rows) * self.snapshot_bytes_each)
         self.rows: dict[int, _Row] = {}
         self.pending_forks: dict[int, tuple[int, list[int]]] = {}  # row -> (generation, positions)
         self.req_to_token: Tensor | None = None
         self._deferred: list[Tensor] | None = None
-        self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0}
+        self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
+                      "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0}
         _ACTIVE = self
 
     # ---- binding SGLang's rows to request state ---------------------------------------------
@@ -105,7 +117,9 @@ class SglangV4Cache:
                                    "(the radix cache must only match up to snapshot positions)")
             for k, v in snap.slot_state.items():
                 self.slot_state[k][row].copy_(v)
+            self.snapshots.move_to_end(key)
             self.stats["snapshots_restored"] += 1
+            self.stats["prompt_tokens_cached"] += prefix_len
         state.num_tokens = prefix_len
         self.rows[row] = _Row(state, generation)
         return state
@@ -138,6 +152,8 @@ class SglangV4Cache:
                 slots = self.req_to_token[req.slot, torch.arange(first, last) * r + r - 1].long()
                 old = self.entry_of_slot[r][slots]
                 pool.decref(old[old >= 0].tolist())  # a slot written again (recompute) drops its old entry
+                if pool.num_free < last - first:  # a tree of many short branches: grow
+                    pool.grow(max(pool.num_pages, last - first))
                 rows = torch.tensor([pool.alloc() for _ in range(last - first)], dtype=torch.long)
                 self.entry_of_slot[r][slots] = rows
                 out[r].append(rows)
@@ -159,10 +175,19 @@ class SglangV4Cache:
             return
         key = int(self.req_to_token[req.slot, req.num_tokens - 1])
         if key in self.snapshots:
+            self.snapshots.move_to_end(key)
             return
         self.snapshots[key] = SlotSnapshot(
             req.num_tokens, {k: v[req.slot].clone() for k, v in self.slot_state.items()})
         self.stats["snapshots_taken"] += 1
+        self._evict_snapshots()
+
+    def _evict_snapshots(self) -> None:
+        """Least recently used first, down to the budget. Safe between scheduler steps: a request
+        matches, binds and restores within one step, and evictions run after its bind."""
+        while len(self.snapshots) * self.snapshot_bytes_each > self.snapshot_budget_bytes and self.snapshots:
+            self.snapshots.popitem(last=False)
+            self.stats["snapshots_evicted"] += 1
 
     def deepest_snapshot(self, path_slots: Tensor) -> int:
         """Largest P such that path_slots[P-1] owns a snapshot at position P (0 if none)."""
@@ -171,7 +196,9 @@ class SglangV4Cache:
         keys = torch.tensor(list(self.snapshots), dtype=torch.long)
         hits = torch.nonzero(torch.isin(path_slots.long().cpu(), keys)).flatten().tolist()
         for i in reversed(hits):
-            if self.snapshots[int(path_slots[i])].num_tokens == i + 1:
+            key = int(path_slots[i])
+            if self.snapshots[key].num_tokens == i + 1:
+                self.snapshots.move_to_end(key)  # matched: most recently used
                 return i + 1
         return 0
 
@@ -210,9 +237,28 @@ class SglangV4Cache:
                     self.stats["snapshots_dropped"] += 1
 
     # ---- accounting ----------------------------------------------------------------------
+    def clear_token_state(self) -> None:
+        """All token slots were released together (cache flush): drop every entry and snapshot."""
+        for r, pool in self.pools.items():
+            rows = self.entry_of_slot[r]
+            pool.decref(rows[rows >= 0].tolist())
+            rows.fill_(-1)
+        self.stats["snapshots_dropped"] += len(self.snapshots)
+        self.snapshots.clear()
+
+    def release_rows(self, rows: list[int]) -> None:
+        """SGLang freed these request rows: their rings are no longer in use."""
+        for row in rows:
+            self.rows.pop(row, None)
+            self.pending_forks.pop(row, None)
+
     def usage(self) -> dict[str, int]:
-        """Entries and snapshots held right now (for metrics and leak checks)."""
-        return {"c4_entries": self.pools[4].num_pages - self.pools[4].num_free,
-                "c128_entries": self.pools[128].num_pages - self.pools[128].num_free,
+        """Entries, rings and snapshots held right now (for metrics and leak checks)."""
+        entries = {r: p.num_pages - p.num_free for r, p in self.pools.items()}
+        entry_bytes = {r: sum(t[0].numel() * t.element_size() for t in p.tensors.values())
+                       for r, p in self.pools.items()}
+        return {"c4_entries": entries[4], "c128_entries": entries[128],
+                "compressed_bytes": sum(entries[r] * entry_bytes[r] for r in entries),
+                "rings_in_use": len(self.rows),
                 "snapshots": len(self.snapshots),
-                "snapshot_bytes": sum(s.nbytes for s in self.snapshots.values())}
+                "snapshot_bytes": len(self.snapshots) * self.snapshot_bytes_each}

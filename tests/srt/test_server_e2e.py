@@ -1,0 +1,269 @@
+"""End-to-end: SGLang serving the micro V4 on CPU, radix cache on vs off (`--disable-radix-cache`).
+
+Two servers are started once for the module (in parallel) through `python -m
+sglang_dsv4.launch_server`; every test sends the same requests to both and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+STARTUP_TIMEOUT_S = 600
+COMMON_ARGS = ["--model-path", "micro", "--constrained-json-disable-any-whitespace",
+               "--max-total-tokens", "16384", "--log-level", "info"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, extra: list[str], log_dir: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_dsv4.launch_server", *COMMON_ARGS, "--port", str(self.port), *extra],
+            stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def generate(self, ids: list[int], max_new_tokens: int = 10, **extra) -> dict:
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}, **extra}
+        r = requests.post(self.url + "/generate", json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("servers")
+    # A small snapshot budget (about 8 micro snapshots) so the LRU evicts during the module.
+    on = Server("cache_on", ["--enable-metrics", "--dsv4-snapshot-budget-mb", "2"], log_dir)
+    off = Server("cache_off", ["--disable-radix-cache"], log_dir)
+    try:
+        deadline = time.time() + STARTUP_TIMEOUT_S
+        on.wait_ready(deadline)
+        off.wait_ready(deadline)
+        yield on, off
+    finally:
+        on.stop()
+        off.stop()
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 120000) for _ in range(n)]
+
+
+def test_startup_states_the_cache_budgets(servers):
+    on, _ = servers
+    line = next(l for l in on.log().splitlines() if "sglang_dsv4 memory:" in l)
+    assert "rings + compressor state" in line and "compressed entries" in line
+    assert "snapshots budget 2097152 B" in line
+
+
+def test_multi_turn_chat_hits_whole_history_and_matches_cache_off(servers):
+    on, off = servers
+    rng = random.Random(1)
+    history_on, history_off = [0] + _tokens(rng, 140), None
+    history_off = list(history_on)
+    expected_cached = None  # the first turn may hit what earlier requests left (e.g. BOS)
+    for turn in range(3):
+        user = _tokens(rng, 9)
+        history_on += user
+        history_off += user
+        a, b = on.generate(history_on), off.generate(history_off)
+        assert a["output_ids"] == b["output_ids"], f"turn {turn}: cache on/off outputs differ"
+        if expected_cached is not None:
+            assert a["meta_info"]["cached_tokens"] == expected_cached, f"turn {turn}"
+        assert b["meta_info"]["cached_tokens"] == 0
+        # the next turn resumes exactly where this one stopped: prompt + output - 1 tokens
+        expected_cached = len(history_on) + len(a["output_ids"]) - 1
+        history_on += a["output_ids"]
+        history_off += b["output_ids"]
+
+
+def test_shared_system_prompt_divergence_points_are_hit_exactly(servers):
+    on, off = servers
+    rng = random.Random(2)
+    system = [0] + _tokens(rng, 180)
+    # (divergence point, hit expected): request 0 lays the path; request 1 is the first to leave
+    # it at 181 (snapshot taken as it passes), so request 2 hits 181 exactly; likewise 120.
+    plan = [(181, False), (181, False), (181, True), (120, False), (120, True), (150, False)]
+    for i, (cut, hit) in enumerate(plan):
+        ids = system[:cut] + _tokens(rng, 6)
+        a, b = on.generate(ids), off.generate(ids)
+        assert a["output_ids"] == b["output_ids"], f"request {i} (diverging at {cut})"
+        cached = a["meta_info"]["cached_tokens"]
+        assert (cached == cut) if hit else (cached < cut), f"request {i}: diverging at {cut}, cached {cached}"
+
+
+def test_chat_completions_streaming_and_not(servers):
+    on, off = servers
+    body = {"model": "default", "messages": [{"role": "system", "content": "You are terse."},
+                                              {"role": "user", "content": "Name three prime numbers."}],
+            "temperature": 0, "max_tokens": 12}
+    outs = []
+    for server in (on, off, on):  # the second call to `on` hits the cache
+        r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        outs.append(r.json()["choices"][0]["message"]["content"])
+    assert outs[0] == outs[1] == outs[2]
+    r = requests.post(on.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300)
+    r.raise_for_status()
+    text = ""
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            choice = json.loads(line[6:])["choices"]
+            if choice:
+                text += choice[0]["delta"].get("content") or ""
+    assert text == outs[0]
+
+
+def test_json_schema_response_validates(servers):
+    jsonschema = pytest.importorskip("jsonschema")
+    on, off = servers
+    schema = {"type": "object", "properties": {"name": {"type": "string", "enum": ["Ada", "Alan", "Grace"]},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                               "retired": {"type": "boolean"}},
+              "required": ["name", "age", "retired"], "additionalProperties": False}
+    body = {"model": "default", "messages": [{"role": "user", "content": "Give me a person as JSON."}],
+            "temperature": 0, "max_tokens": 128,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
+    contents = []
+    for server in (on, off):
+        r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        contents.append(r.json()["choices"][0]["message"]["content"])
+    assert contents[0] == contents[1]
+    jsonschema.validate(json.loads(contents[0]), schema)
+
+
+def test_frontend_fork_program_matches_cache_off(servers):
+    import sglang as sgl
+
+    @sgl.function
+    def branches(s, question):
+        s += "Question: " + question + "\n"
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f"Answer {i}:" + sgl.gen("answer", max_tokens=8, temperature=0)
+        s += "Summary:" + sgl.gen("summary", max_tokens=6, temperature=0)
+        return [f["answer"] for f in forks]
+
+    results = []
+    for server in servers:
+        state = branches.run(question="Which is larger, 7 or 9?", backend=sgl.RuntimeEndpoint(server.url))
+        results.append((state.ret_value, state["summary"]))
+    assert results[0] == results[1]
+    assert all(isinstance(a, str) for a in results[0][0]) and len(results[0][0]) == 3
+
+
+def test_parallel_sampling_n_matches_cache_off(servers):
+    on, off = servers
+    ids = [0] + _tokens(random.Random(3), 90)
+    outs = []
+    for server in (on, off):
+        r = requests.post(server.url + "/generate", timeout=300, json={
+            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8, "n": 3}})
+        r.raise_for_status()
+        outs.append([o["output_ids"] for o in r.json()])
+    assert outs[0] == outs[1] and len(outs[0]) == 3
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"input_ids": [0] * 5000, "sampling_params": {"max_new_tokens": 4}}, "context length"),
+    ({"input_ids": [0, 5, 6], "sampling_params": {"temperature": -1.0}}, "temperature"),
+    ({"input_ids": [0, 5, 6], "sampling_params": {"max_new_tokens": 4, "json_schema": "{not json"}}, ""),
+])
+def test_bad_input_is_rejected_and_server_keeps_serving(servers, body, fragment):
+    on, _ = servers
+    r = requests.post(on.url + "/generate", json=body, timeout=300)
+    assert r.status_code == 400, r.text
+    assert fragment.lower() in r.text.lower()
+    assert on.generate([0, 11, 12, 13], max_new_tokens=3)["meta_info"]["completion_tokens"] == 3
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("sglang_dsv4:"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+    return out
+
+
+def _abort_stream(server: Server, ids: list[int], read_chunks: int) -> None:
+    """Start a streaming request and disconnect after ``read_chunks`` chunks (0: during prefill)."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 200}}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=300) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i + 1 >= read_chunks:
+                break
+
+
+def test_metrics_aborts_evictions_and_idle_pools(servers):
+    """A mixed workload with client disconnects mid-prefill and mid-decode, snapshot evictions
+    under the 2 MiB budget and forks; then the cache's own counters and SGLang's return to idle."""
+    on, _ = servers
+    rng = random.Random(4)
+    for k in range(3):
+        _abort_stream(on, [0] + _tokens(rng, 1500), read_chunks=0)   # mid-prefill
+        _abort_stream(on, [0] + _tokens(rng, 60), read_chunks=4)     # mid-decode
+    system = [0] + _tokens(rng, 100)
+    for k in range(12):  # more distinct snapshots than the budget holds
+        on.generate(system[:50 + 4 * k] + _tokens(rng, 5), max_new_tokens=4)
+    time.sleep(2)
+    m = _metrics(on)
+    assert m["sglang_dsv4:snapshots_taken_total"] > 8
+    assert m["sglang_dsv4:snapshots_evicted_total"] > 0
+    assert m["sglang_dsv4:snapshots_restored_total"] > 0
+    assert m["sglang_dsv4:prompt_tokens_cached_total"] > 0 and m["sglang_dsv4:prompt_tokens_computed_total"] > 0
+    assert m["sglang_dsv4:snapshot_bytes"] <= 2 * 2**20
+    # with nothing running and the tree flushed, every token slot is back: no entry, no
+    # snapshot and no ring may remain
+    assert requests.post(on.url + "/flush_cache", timeout=60).status_code == 200
+    on.generate([0, 1, 2], max_new_tokens=1)  # a forward refreshes the gauges
+    requests.post(on.url + "/flush_cache", timeout=60)
+    on.generate([0, 3], max_new_tokens=1)
+    m = _metrics(on)
+    assert m["sglang_dsv4:rings_in_use"] <= 1  # the request of that last forward
+    assert m["sglang_dsv4:snapshot_bytes"] == 0
+    assert m["sglang_dsv4:compressed_pool_bytes"] == 0
+    log = on.log().lower()
+    assert "leak" not in log and "traceback" not in log
