@@ -66,9 +66,10 @@ class V4Model:
         segments, row = [], 0
         for i, (req, t) in enumerate(zip(reqs, ids)):
             end = req.num_tokens + t.numel()
+            # storage rows on the model's device, whichever cache produced them
             segments.append(_Segment(req, row, row + t.numel(), req.num_tokens,
-                                     {r: rows[i] for r, rows in write_rows.items()},
-                                     {r: cache.entry_rows(req, r, end // r) for r in write_rows}))
+                                     {r: rows[i].to(self.device) for r, rows in write_rows.items()},
+                                     {r: cache.entry_rows(req, r, end // r).to(self.device) for r in write_rows}))
             row += t.numel()
         flat_ids = torch.cat(ids).to(self.device)
         positions = self._positions(segments)

@@ -29,7 +29,8 @@ class OracleModel:
     def forward(self, ids: Tensor, return_streams: bool = False):
         """ids: [T] -> logits [T, V]; with return_streams also the final residual streams [T, hc, D]."""
         cfg = self.cfg
-        positions = torch.arange(ids.numel())
+        ids = ids.to(self.w["embed.weight"].device)
+        positions = torch.arange(ids.numel(), device=ids.device)
         h = self.w["embed.weight"][ids].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         for i, lw in enumerate(self.layers):
             h = self._block(h, lw, ids, positions, cfg.layer_ratios[i], hash_routed=i < cfg.num_hash_layers)
@@ -42,7 +43,8 @@ class OracleModel:
         """MTP logits [T-1, V]: row t uses (streams[t], ids[t+1]) at position t and predicts ids[t+2]."""
         cfg, w = self.cfg, self.mtp[0]
         T = ids.numel() - 1
-        positions = torch.arange(T)
+        ids = ids.to(self.w["embed.weight"].device)
+        positions = torch.arange(T, device=ids.device)
         h = ops.mtp_input(streams[:T], ids[1:], self.w["embed.weight"], w, cfg)
         h = self._block(h, w, ids[1:], positions, cfg.compress_ratios[cfg.num_hidden_layers], hash_routed=False)
         y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg)
@@ -71,7 +73,7 @@ class OracleModel:
             n = entries.shape[0]
             visible = (positions + 1) // ratio
             if ratio == 128:
-                j = torch.arange(n)
+                j = torch.arange(n, device=x.device)
                 comp_idx = torch.where(j[None, :] < visible[:, None], j[None, :], -1)
             else:
                 index_keys = self._compress(x, w, "attn.indexer.compressor", 4, freqs, is_indexer=True)
@@ -88,11 +90,11 @@ class OracleModel:
         """All complete groups of the sequence -> entries [T//ratio, d] (§3.3)."""
         T = x.shape[0]
         n = T // ratio
-        a, s = ops.compressor_projections(x[: n * ratio], w, prefix, torch.arange(n * ratio), ratio)
+        a, s = ops.compressor_projections(x[: n * ratio], w, prefix, torch.arange(n * ratio, device=x.device), ratio)
         if ratio == 128:
             pooled = (torch.softmax(s.view(n, ratio, s.shape[1]), dim=1) * a.view(n, ratio, a.shape[1])).sum(1)
         else:  # group -1 does not exist: pad it with zero values and -inf scores
             pad_a, pad_s = a.new_zeros(4, a.shape[1]), s.new_full((4, s.shape[1]), float("-inf"))
             pooled = ops.pool_c4(torch.cat((pad_a, a)), torch.cat((pad_s, s)))
-        first = torch.arange(n) * ratio
+        first = torch.arange(n, device=x.device) * ratio
         return ops.finish_entries(pooled, w, prefix, first, freqs, self.cfg, is_indexer, self.quant_sim)

@@ -115,9 +115,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
             self.metrics = V4CacheMetrics(self.cache)
         budget = self.cache.snapshot_budget_bytes
-        logger.info("sglang_dsv4 memory: rings + compressor state %d B (%d request rows x %d B); "
-                    "compressed entries %d B (C4 %d B + C128 %d B, for %d token slots, grown on demand); "
-                    "snapshots budget %d B (%d snapshots of %d B, LRU; set %s in "
-                    "--json-model-override-args)", rows * per_req, rows, per_req,
+        logger.info("sglang_dsv4 memory: rings + compressor state %d B (%d request rows x %d B, a "
+                    "%d-token window each); compressed entries %d B (C4 %d B + C128 %d B, for %d "
+                    "token slots, grown on demand); snapshots budget %d B (%d snapshots of %d B = "
+                    "%d window tokens, LRU; set %s in --json-model-override-args)",
+                    rows * per_req, rows, per_req, self.v4.sliding_window,
                     entry_bytes[4] + entry_bytes[128], entry_bytes[4], entry_bytes[128], num_slots,
-                    budget, budget // per_req, per_req, SNAPSHOT_BUDGET_KEY)
+                    budget, budget // per_req, per_req, budget // per_req * self.v4.sliding_window,
+                    SNAPSHOT_BUDGET_KEY)
