@@ -114,6 +114,7 @@ class V4Config:
     def from_dict(cls, raw: dict[str, Any], tp_size: int = 1) -> "V4Config":
         """Build and validate a config from a parsed ``config.json``; unknown keys are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
+        raw = _from_rope_parameters(raw)
         kwargs: dict[str, Any] = {}
         for key, value in raw.items():
             if key not in known:
@@ -231,6 +232,21 @@ def _positive(cfg: V4Config, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _from_rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers v5 moves ``rope_scaling`` (and ``rope_theta``) into ``rope_parameters``; a
+    config that went through it (e.g. SGLang's config loader) must mean the same model."""
+    params = raw.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_scaling" in raw:
+        return raw
+    raw = dict(raw)
+    if "rope_theta" not in raw and "rope_theta" in params:
+        raw["rope_theta"] = params["rope_theta"]
+    kind = params.get("rope_type", params.get("type"))
+    raw["rope_scaling"] = None if kind in (None, "default") else {
+        k: v for k, v in params.items() if k != "rope_theta"}
+    return raw
 
 
 def _parse_rope_scaling(raw: Any) -> RopeScaling:

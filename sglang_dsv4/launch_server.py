@@ -19,17 +19,27 @@ import sys
 from pathlib import Path
 
 TINY_PRESETS = ("micro", "tiny")
-CPU_DEFAULTS = {
-    "--device": "cpu",
-    "--attention-backend": "torch_native",
-    "--sampling-backend": "pytorch",
-    "--dtype": "float32",
-    "--max-total-tokens": "65536",
-    "--max-running-requests": "16",
-    "--chunked-prefill-size": "2048",
+# SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
+CPU_DEFAULTS: dict[str, object] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "dtype": "float32",
+    "max_total_tokens": 65536,
+    "max_running_requests": 16,
+    "chunked_prefill_size": 2048,
+    "disable_cuda_graph": True,
+    "disable_overlap_schedule": True,
 }
-CPU_FLAGS = ("--disable-cuda-graph", "--disable-overlap-schedule")
 SHIM_DIR = Path(__file__).parent / "srt" / "cpu_shim"
+
+
+def cpu_environment(env: dict[str, str]) -> dict[str, str]:
+    """The environment SGLang needs on a CPU-only machine (see patches/cpu-launcher.md)."""
+    env = dict(env)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM_DIR), env.get("PYTHONPATH")]))
+    return env
 
 
 def cache_dir() -> Path:
@@ -56,8 +66,11 @@ def resolve_model_path(args: list[str]) -> list[str]:
 def cpu_arguments(args: list[str]) -> list[str]:
     """SGLang arguments for the CPU, the user's own taking precedence."""
     given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
-    extra = [x for k, v in CPU_DEFAULTS.items() if k not in given for x in (k, v)]
-    extra += [f for f in CPU_FLAGS if f not in given]
+    extra: list[str] = []
+    for name, value in CPU_DEFAULTS.items():
+        flag = "--" + name.replace("_", "-")
+        if flag not in given:
+            extra += [flag] if value is True else [flag, str(value)]
     return list(args) + extra
 
 
@@ -95,8 +108,7 @@ def build_command(argv: list[str], cuda: bool) -> tuple[list[str], dict[str, str
     env = dict(os.environ)
     if not cuda:
         args = cpu_arguments(args)
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM_DIR), env.get("PYTHONPATH")]))
+        env = cpu_environment(env)
     return [sys.executable, "-m", "sglang.launch_server", *args], env
 
 

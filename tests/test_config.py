@@ -222,3 +222,14 @@ def test_check_flashmla():
     with pytest.raises(ConfigError, match="num_attention_heads"):
         cfg.check_flashmla()
     V4Config().check_flashmla()
+
+
+def test_transformers_v5_rope_parameters_mean_the_same_model():
+    """SGLang's config loader (transformers v5) moves rope_scaling and rope_theta into
+    rope_parameters; parsing must give the same config as the checkpoint's own config.json."""
+    scaling = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
+               "beta_fast": 32, "beta_slow": 1}
+    plain = V4Config.from_dict({"rope_theta": 5000.0, "rope_scaling": scaling})
+    moved = V4Config.from_dict({"rope_parameters": {**scaling, "rope_theta": 5000.0, "rope_type": "yarn"}})
+    assert moved == plain
+    assert moved.rope_scaling.original_max_position_embeddings == 256 and moved.rope_theta == 5000.0

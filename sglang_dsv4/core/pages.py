@@ -60,8 +60,8 @@ class EntryPagePool:
         """Add ``extra_pages`` free pages (tensors are reallocated; storage rows keep their index)."""
         old = self.num_pages
         self.num_pages += extra_pages
-        for name, t in self.tensors.items():
-            self.tensors[name] = torch.cat((t, t.new_zeros(extra_pages * self.page_size, t.shape[1])))
+        for name, t in self.tensors.items():  # a layout's pool buffer is page-major along dim 0
+            self.tensors[name] = torch.cat((t, self.layouts[name].alloc_pool(extra_pages, t.device)))
         self.refcount += [0] * extra_pages
         self.filled += [0] * extra_pages
         self._free = list(range(self.num_pages - 1, old - 1, -1)) + self._free

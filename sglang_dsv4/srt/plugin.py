@@ -117,7 +117,7 @@ def _after_memory_pools(result, runner, *args, **kwargs):
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):
-    """Rows are known now: pass each request's wanted divergence snapshot to the model's cache."""
+    """Rows are known now: pass each request's wanted snapshot positions to the model's cache."""
     from .radix_cache import FORK_ATTR
     from .state import active_cache
 
@@ -125,8 +125,10 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
     if cache is not None:
         generations = batch.req_to_token_pool.req_generation
         for req in batch.reqs:
-            position, row = getattr(req, FORK_ATTR, None), req.kv.req_pool_idx
-            if position is not None and row is not None:
+            row = req.kv.req_pool_idx
+            if row is None:
+                continue
+            for position in getattr(req, FORK_ATTR, None) or []:
                 cache.want_snapshot(row, int(generations[row]), position)
     return result
 

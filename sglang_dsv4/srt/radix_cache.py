@@ -6,7 +6,9 @@ compressor's partial group, so a cached prefix is usable only up to a position P
 slot P-1 owns a snapshot. This class
   - cuts each request's match back to the deepest such P (``cached_tokens`` then reports exactly
     what is not recomputed), and asks for a snapshot where the request's tokens leave the cached
-    path (the divergence point D > P), so the next request diverging there hits it;
+    path (the divergence point D > P), so the next request diverging there hits it, and at
+    prompt_len - 1 of a fan-out prefix request (n>1 and frontend forks send the shared prompt
+    with max_new_tokens=0 first; the copies can match at most prompt_len - 1 tokens);
   - takes a snapshot when a request's tokens are published (``checkpoint``: chunk ends and the
     finish), and moves snapshots from slots the tree deduplicates to the tree's own slots.
 """
@@ -25,22 +27,34 @@ logger = logging.getLogger(__name__)
 FORK_ATTR = "dsv4_fork_at"
 
 
+def _is_fan_out_prefix(req) -> bool:
+    params = getattr(req, "sampling_params", None)
+    return getattr(params, "max_new_tokens", None) == 0 and len(req.origin_input_ids) > 1
+
+
 class SnapshotRadixCache(RadixCache):
     """RadixCache whose matches end only at V4 snapshot positions."""
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
-        cache = active_cache()
-        if params.req is None or cache is None or result.device_prefix_len == 0:
+        cache, req = active_cache(), params.req
+        if req is None or cache is None:
             return result  # internal re-matches (checkpoint) keep the full path
+        forks: set[int] = set()
+        if _is_fan_out_prefix(req):
+            # n>1 sampling and frontend forks first prefill the shared prompt with
+            # max_new_tokens=0; the copies match at most prompt_len - 1 tokens: snapshot there
+            forks.add(len(req.origin_input_ids) - 1)
         full_len = result.device_prefix_len
-        slots = self.path_device_indices(result.last_device_node)[:full_len]
-        resume = cache.deepest_snapshot(slots)
-        if resume < full_len:
-            # the request passes D = full_len on its own: snapshot it there for the next one
-            setattr(params.req, FORK_ATTR, full_len)
-            result = (super().match_prefix(MatchPrefixParams(key=params.key[:resume], req=params.req))
-                      if resume else self._empty_match_result)
+        if full_len:
+            slots = self.path_device_indices(result.last_device_node)[:full_len]
+            resume = cache.deepest_snapshot(slots)
+            if resume < full_len:
+                # the request passes D = full_len on its own: snapshot it there for the next one
+                forks.add(full_len)
+                result = (super().match_prefix(MatchPrefixParams(key=params.key[:resume], req=req))
+                          if resume else self._empty_match_result)
+        setattr(req, FORK_ATTR, sorted(p for p in forks if p > result.device_prefix_len))
         return result
 
     def reset(self):

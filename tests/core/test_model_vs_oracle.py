@@ -239,3 +239,19 @@ def test_cache_allocation_matches_memory_accounting(micro):
         t[0].numel() * t.element_size() / r
         for r, pool in cache.pools.items() for t in pool.tensors.values())
     assert per_token == pytest.approx(acct.compressed_bytes_per_token)
+
+
+def test_entry_pool_grows_without_moving_entries():
+    from sglang_dsv4.core.pages import EntryPagePool
+
+    pool = EntryPagePool(2, 1, {"main": 3, "index": 2})
+    rows = [pool.alloc(), pool.alloc()]
+    pool.tensors["main"][rows] = torch.tensor([[1.0, 2, 3], [4, 5, 6]])
+    pool.grow(3)
+    assert pool.num_pages == 5 and pool.num_free == 3
+    assert pool.tensors["main"].shape[0] == 5 and pool.tensors["index"].shape[0] == 5
+    assert pool.tensors["main"][rows].tolist() == [[1, 2, 3], [4, 5, 6]]
+    more = [pool.alloc() for _ in range(3)]
+    assert sorted(more) == [2, 3, 4]
+    pool.decref(rows + more)
+    pool.check_integrity([])

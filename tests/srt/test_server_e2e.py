@@ -202,7 +202,26 @@ def test_parallel_sampling_n_matches_cache_off(servers):
             "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8, "n": 3}})
         r.raise_for_status()
         outs.append([o["output_ids"] for o in r.json()])
+        if server is on:  # the fan-out prefix request left a snapshot where the copies' match ends
+            assert [o["meta_info"]["cached_tokens"] for o in r.json()] == [len(ids) - 1] * 3
     assert outs[0] == outs[1] and len(outs[0]) == 3
+
+
+def test_fork_after_prefix_fill_hits_the_fork_point(servers):
+    """The frontend's fork protocol: fill the shared text (max_new_tokens=0), then branches."""
+    on, off = servers
+    prefix = "Question: " + "Which is smaller, 3 or 5? " * 12 + "\n"
+    results = []
+    for server in (on, off):
+        fill = requests.post(server.url + "/generate", timeout=300,
+                             json={"text": prefix, "sampling_params": {"max_new_tokens": 0}}).json()
+        branches = [requests.post(server.url + "/generate", timeout=300, json={
+            "text": prefix + f"Answer {i}:", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+            for i in range(3)]
+        results.append([b["output_ids"] for b in branches])
+        if server is on:
+            assert all(b["meta_info"]["cached_tokens"] >= fill["meta_info"]["prompt_tokens"] - 1 for b in branches)
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("body, fragment", [
