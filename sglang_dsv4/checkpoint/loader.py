@@ -142,23 +142,33 @@ def _open_shard(stack: ExitStack, root: Path, fname: str) -> Any:
 
 
 def _check_spec(spec: TensorSpec, weight_map: dict[str, str], shards: dict[str, Any]) -> list[str]:
+    def stored(name: str):
+        fname = weight_map.get(name)
+        if fname is None:
+            return "not in the weight map"
+        if name not in shards[fname].keys():
+            return f"the index puts it in {fname}, which does not hold it"
+        view = shards[fname].get_slice(name)
+        tag = view.get_dtype()
+        return tuple(view.get_shape()), _SAFETENSORS_DTYPES.get(tag, tag), f" in {fname}"
+
+    return _spec_problems(spec, stored)
+
+
+def _spec_problems(spec: TensorSpec, stored) -> list[str]:
+    """Problems of one logical tensor's stored parts. ``stored(name)`` gives (shape, dtype, where)
+    or, for a missing tensor, why it is missing."""
     problems = []
     dtypes = stored_dtypes(spec)
     for name, shape in spec.stored_shapes().items():
         want = f"{format_shape(shape)} {dtype_name(dtypes[name])}"
-        fname = weight_map.get(name)
-        if fname is None:
-            problems.append(f"missing tensor {name} (expected shape {want}; not in the weight map)")
+        found = stored(name)
+        if isinstance(found, str):
+            problems.append(f"missing tensor {name} (expected shape {want}; {found})")
             continue
-        if name not in shards[fname].keys():
-            problems.append(f"missing tensor {name} (expected shape {want}; the index puts it in {fname}, "
-                            "which does not hold it)")
-            continue
-        view = shards[fname].get_slice(name)
-        got_shape, tag = tuple(view.get_shape()), view.get_dtype()
-        got_dtype = _SAFETENSORS_DTYPES.get(tag, tag)
-        if got_shape != tuple(shape) or got_dtype != dtypes[name]:
-            problems.append(f"tensor {name} in {fname}: expected shape {want}, "
+        got_shape, got_dtype, where = found
+        if tuple(got_shape) != tuple(shape) or got_dtype != dtypes[name]:
+            problems.append(f"tensor {name}{where}: expected shape {want}, "
                             f"got {format_shape(got_shape)} {dtype_name(got_dtype)}")
     return problems
 
@@ -180,16 +190,11 @@ def logical_from_stored(cfg: V4Config, stored: dict[str, torch.Tensor],
 
     Checks every name, shape and dtype first; raises CheckpointError listing the problems.
     """
-    problems = []
-    for spec in checkpoint_tensors(cfg):
-        dtypes = stored_dtypes(spec)
-        for name, shape in spec.stored_shapes().items():
-            want = f"{format_shape(shape)} {dtype_name(dtypes[name])}"
-            t = stored.get(name)
-            if t is None:
-                problems.append(f"missing tensor {name} (expected shape {want})")
-            elif tuple(t.shape) != tuple(shape) or t.dtype != dtypes[name]:
-                problems.append(f"tensor {name}: expected shape {want}, got {format_shape(t.shape)} {dtype_name(t.dtype)}")
+    def found(name: str):
+        t = stored.get(name)
+        return "not among the streamed weights" if t is None else (tuple(t.shape), t.dtype, "")
+
+    problems = [p for spec in checkpoint_tensors(cfg) for p in _spec_problems(spec, found)]
     if problems:
         raise CheckpointError(_describe(Path("<streamed weights>"), problems))
     return {spec.name: _dequantize(spec, stored.__getitem__, dtype) for spec in checkpoint_tensors(cfg)}

@@ -232,3 +232,27 @@ def test_invalid_config(broken: Path) -> None:
     (broken / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="compress_ratios"):
         load_checkpoint(broken)
+
+
+def test_streamed_weights_as_sglang_passes_them(micro: tuple[Path, dict]) -> None:
+    """The SGLang model's load_weights path: stored tensors by name -> the same logical tensors,
+    and a missing or misshapen stored tensor is named."""
+    from sglang_dsv4.checkpoint.loader import logical_from_stored
+    from sglang_dsv4.config import V4Config
+
+    ckpt, _ = micro
+    stored = {}
+    for fname in sorted(set(_weight_map(ckpt).values())):
+        stored.update(load_file(str(ckpt / fname)))
+    cfg = V4Config.from_json(ckpt)
+    logical = logical_from_stored(cfg, stored)
+    loaded = load_checkpoint(ckpt).tensors
+    assert logical.keys() == loaded.keys()
+    assert all(torch.equal(logical[k], loaded[k]) for k in loaded)
+    broken = dict(stored)
+    del broken["layers.1.attn.wq_a.weight"]
+    broken["layers.2.attn.wkv.scale"] = broken["layers.2.attn.wkv.scale"][:0]
+    with pytest.raises(CheckpointError) as e:
+        logical_from_stored(cfg, broken)
+    assert "missing tensor layers.1.attn.wq_a.weight (expected shape [32, 64] float8_e4m3fn" in str(e.value)
+    assert "tensor layers.2.attn.wkv.scale: expected shape [1, 1] float8_e8m0fnu, got [0, 1]" in str(e.value)
