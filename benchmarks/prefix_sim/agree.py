@@ -15,7 +15,7 @@ import requests
 
 from .common import GIB
 from .ours import OursSim
-from .traces import (BOS, History, Request, RequestSpec, Tokens, _Gen, realize)
+from .traces import (BOS, History, Request, RequestSpec, Tokens, TokenSource, realize)
 
 SERVER_CHUNK = 2048  # sglang_dsv4.launch_server's --chunked-prefill-size on CPU
 
@@ -24,7 +24,7 @@ def short_trace(seed: int = 7) -> list[RequestSpec]:
     """Every snapshot kind in a few requests: chat turns (finish snapshots), a shared system prompt
     left at two divergence points, a fork (max_new_tokens=0 prefill, then branches), n>1 as SGLang
     sends it (warm-up + copies), and a prompt longer than one server chunk (chunk-end snapshot)."""
-    g = _Gen(seed)
+    g = TokenSource(seed)
     system = g.tokens(300)
     specs: list[RequestSpec] = [
         RequestSpec((BOS, g.tokens(120), g.tokens(20)), 12, "chat0.0"),          # 0

@@ -157,10 +157,22 @@ class OursSim:
         for node in path:
             node.access = t
 
-    @staticmethod
-    def _lock(path: list[_Node], delta: int) -> None:
-        for node in path:
+    def _lock(self, path: list[_Node], delta: int) -> None:
+        """Lock (+1) or unlock (-1) the path from its last node up to the root; walked through the
+        parent links, so nodes split into the path since it was taken are covered too."""
+        node = path[-1] if path else None
+        while node is not None and node is not self.root:
             node.lock += delta
+            node = node.parent
+
+    def locked_nodes(self) -> int:
+        """Nodes with a lock held (0 between requests)."""
+        count, stack = 0, list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            count += n.lock != 0
+            stack.extend(n.children.values())
+        return count
 
     def _deepest_snapshot(self, path: list[_Node], limit: int) -> _Snap | None:
         for node in reversed(path):

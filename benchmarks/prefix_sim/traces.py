@@ -81,7 +81,7 @@ def realize(specs: Sequence[RequestSpec], outputs: OutputFn) -> list[Request]:
     return done
 
 
-class _Gen:
+class TokenSource:
     """Seeded token and length source shared by the workload builders."""
 
     def __init__(self, seed: int):
@@ -100,7 +100,7 @@ BOS = Tokens((0,))
 def multi_turn_chat(seed: int, sessions: int = 48, turns: int = 5, scale: float = 1.0) -> list[RequestSpec]:
     """ShareGPT-like chat: a short system prompt, short user turns (median ~60 tokens), answers of a
     few hundred tokens; sessions interleaved round-robin."""
-    g = _Gen(seed)
+    g = TokenSource(seed)
     s = lambda x: max(1, int(x * scale))  # noqa: E731
     specs: list[RequestSpec] = []
     last: list[int | None] = [None] * sessions
@@ -117,7 +117,7 @@ def agentic_sessions(seed: int, sessions: int = 12, turns: int = 16, scale: floa
     """Long agentic sessions: a long system/tool preamble (~6k tokens), then tens of turns, each
     appending a tool output of thousands of tokens and generating a short tool call; sessions
     interleaved round-robin."""
-    g = _Gen(seed)
+    g = TokenSource(seed)
     s = lambda x: max(1, int(x * scale))  # noqa: E731
     specs: list[RequestSpec] = []
     last: list[int | None] = [None] * sessions
@@ -134,7 +134,7 @@ def shared_system_prompts(seed: int, groups: int = 8, per_group: int = 16, syste
                           question_len: int = 256, output_len: int = 128, scale: float = 1.0) -> list[RequestSpec]:
     """SGLang's generated-shared-prefix benchmark: ``groups`` system prompts, ``per_group`` questions
     each; requests arrive in a shuffled order."""
-    g = _Gen(seed)
+    g = TokenSource(seed)
     s = lambda x: max(1, int(x * scale))  # noqa: E731
     systems = [g.tokens(s(system_len)) for _ in range(groups)]
     specs = [RequestSpec((BOS, systems[i], g.tokens(s(question_len))), s(output_len), f"sys{i}.{j}")
@@ -148,7 +148,7 @@ def fork_trees(seed: int, programs: int = 6, depth: int = 3, fanout: int = 3, sc
     each depth every branch adds ~200 tokens and generates ~120, and the program forks again.
     A fork is sent as SGLang's frontend sends it: a max_new_tokens=0 prefill of the state at the
     fork point, then the branches."""
-    g = _Gen(seed)
+    g = TokenSource(seed)
     s = lambda x: max(1, int(x * scale))  # noqa: E731
     specs: list[RequestSpec] = []
     for p in range(programs):
@@ -173,7 +173,7 @@ def fork_trees(seed: int, programs: int = 6, depth: int = 3, fanout: int = 3, sc
 def parallel_sampling(seed: int, prompts: int = 24, n: int = 4, scale: float = 1.0) -> list[RequestSpec]:
     """``n>1`` sampling as SGLang serves it: a max_new_tokens=0 warm-up prefill of the prompt, then
     ``n`` requests with the same prompt (prompts ~1.5k tokens, outputs ~400)."""
-    g = _Gen(seed)
+    g = TokenSource(seed)
     s = lambda x: max(1, int(x * scale))  # noqa: E731
     specs: list[RequestSpec] = []
     for p in range(prompts):

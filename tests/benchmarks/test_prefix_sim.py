@@ -80,6 +80,27 @@ def test_ours_hits_exactly(trace, expected):
     assert [sim.serve(r) for r in trace] == expected
 
 
+@pytest.mark.parametrize("trace", [_chat_and_divergence(), _shared_system(), _fork(), _n_sampling()])
+def test_ours_releases_every_lock(trace):
+    sim = OursSim(HUGE, chunk=256)  # chunk checkpoints and divergences split the running path
+    for r in trace:
+        sim.serve(r)
+        assert sim.locked_nodes() == 0 and sim.running == 0
+
+
+def test_ours_unlocks_nodes_split_under_a_running_request():
+    """The third request resumes at 100 on a path whose deeper snapshots were evicted; its chunk
+    checkpoints (356, 612, 868) split the locked node [100, 1000): the split-off parts unlock too."""
+    rng = random.Random(9)
+    x = _tok(rng, 1000)
+    costs = V4Costs(ours_token=1.0, ours_snapshot=1000, up_full_token=1.0, up_swa_token=1.0)
+    sim = OursSim(7000, costs=costs, chunk=256)
+    trace = [Request(x, _tok(rng, 5)), Request(x[:100] + _tok(rng, 20), _tok(rng, 5)),
+             Request(x[:900] + _tok(rng, 20), _tok(rng, 5))]
+    assert [sim.serve(r) for r in trace] == [0, 0, 100]
+    assert sim.locked_nodes() == 0
+
+
 def test_ours_without_the_fan_out_snapshot_first_copy_recomputes():
     # the warm-up's snapshot at 900 is past the copies' 899 cap: the first copy recomputes and
     # leaves a divergence snapshot at 899 for the others
@@ -244,7 +265,7 @@ def test_ours_agrees_with_the_server(tmp_path):
     assert sum(p for _, p, _ in rows) > 0
 
 
-def test_v4_flash_costs_and_upstream_pool_sizing(upstream_cls):
+def test_v4_flash_costs_and_upstream_pool_sizing():
     from benchmarks.prefix_sim.upstream import pool_pages
 
     c = V4Costs.flash()
