@@ -17,10 +17,10 @@ from torch import nn
 from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
 from ..core.model import V4Model
+from .pool_sizing import SNAPSHOT_BUDGET_KEY
 from .state import SglangV4Cache
 
 logger = logging.getLogger(__name__)
-SNAPSHOT_BUDGET_KEY = "dsv4_snapshot_budget_mb"  # read from the HF config (json model overrides)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

@@ -31,6 +31,10 @@ def register() -> None:
                           _not_upstream_v4, HookType.AROUND)
     HookRegistry.register("sglang.srt.utils.hf_transformers.config.get_config",
                           _hide_quantization_config, HookType.AFTER)
+    HookRegistry.register("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
+                          _pool_configurator, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
+                          _placeholder_kv_pool, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.registry.default_radix_cache_factory",
                           _radix_cache_factory, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows",
@@ -83,6 +87,25 @@ def _hide_quantization_config(config, *args, **kwargs):
     if ARCH in (getattr(config, "architectures", None) or []):
         config.quantization_config = None
     return config
+
+
+def _pool_configurator(original, kvc, *args, **kwargs):
+    """Size the token pool by our cache's bytes per token, after reserving rings and snapshots."""
+    if ARCH in (getattr(kvc.model_config.hf_config, "architectures", None) or []):
+        from .pool_sizing import make_pool_configurator
+
+        return make_pool_configurator(kvc)
+    return original(kvc, *args, **kwargs)
+
+
+def _placeholder_kv_pool(original, kvc, *args, **kwargs):
+    """Our model keeps its KV in ``state.SglangV4Cache``: SGLang's generic pool only needs to keep
+    its capacity accounting, which its ``NoOpMHATokenToKVPool`` does without storage."""
+    if ARCH in (getattr(kvc.model_config.hf_config, "architectures", None) or []):
+        from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
+
+        kwargs["mha_pool_class"] = NoOpMHATokenToKVPool
+    return original(kvc, *args, **kwargs)
 
 
 def _radix_cache_factory(original, ctx):

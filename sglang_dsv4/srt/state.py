@@ -25,6 +25,7 @@ import torch
 from ..config import V4Config
 from ..core.cache import RATIOS, RequestState, alloc_slot_state, entry_dims, reset_slot_state
 from ..core.pages import EntryPagePool
+from .pool_sizing import default_snapshot_budget_bytes
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -84,7 +85,7 @@ class SglangV4Cache:
         self.snapshots: OrderedDict[int, SlotSnapshot] = OrderedDict()
         self.snapshot_bytes_each = sum(v[0].numel() * v.element_size() for v in self.slot_state.values())
         self.snapshot_budget_bytes = (snapshot_budget_bytes if snapshot_budget_bytes is not None
-                                      else max(64, 4 * num_req_rows) * self.snapshot_bytes_each)
+                                      else default_snapshot_budget_bytes(num_req_rows, self.snapshot_bytes_each))
         self.rows: dict[int, _Row] = {}
         self.pending_forks: dict[int, tuple[int, list[int]]] = {}  # row -> (generation, positions)
         self.req_to_token: Tensor | None = None

@@ -94,6 +94,9 @@ def test_startup_states_the_cache_budgets(servers):
     line = next(l for l in on.log().splitlines() if "sglang_dsv4 memory:" in l)
     assert "rings + compressor state" in line and "compressed entries" in line
     assert "snapshots budget 2097152 B" in line
+    # SGLang sized its token pool by our plan and kept no generic KV storage for the model
+    log = on.log()
+    assert "sglang_dsv4 pool plan for" in log and "KV Cache skipped (no-op pool)" in log
 
 
 def test_multi_turn_chat_hits_whole_history_and_matches_cache_off(servers):
