@@ -55,7 +55,9 @@ def register() -> None:
 
 def _register_model_override() -> None:
     """Replace upstream's V4 server-arg overrides (dsv4 backend, page 256, SWA ratio) with ours:
-    an ordinary full-attention pool of page size 1 (token-granular prefix matches)."""
+    an ordinary full-attention pool of page size 1 (token-granular prefix matches), and no overlap
+    scheduling (it runs a request's next decode step before its finish is published, so the
+    state at the finish point, the next turn's resume point, would be gone when it is wanted)."""
     import sglang.srt.arg_groups.overrides  # noqa: F401  (registers upstream's overrides first)
     from sglang.srt.arg_groups.model_override_base import _MODEL_OVERRIDE_FNS, register_model_override
 
@@ -63,7 +65,7 @@ def _register_model_override() -> None:
 
     @register_model_override(ARCH)
     def _dsv4_overrides(server_args, hf_config) -> dict:
-        return {"disable_hybrid_swa_memory": True, "page_size": 1}
+        return {"disable_hybrid_swa_memory": True, "page_size": 1, "disable_overlap_schedule": True}
 
 
 def _skip_v4_defaults(original, server_args, model_arch, *args, **kwargs):
