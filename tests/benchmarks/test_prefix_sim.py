@@ -277,3 +277,22 @@ def test_v4_flash_costs_and_upstream_pool_sizing():
     assert swa == int(full * 0.1)
     spent = full * 256 * c.up_full_token + swa * 256 * c.up_swa_token
     assert 8 * 2**30 - 300 * 256 * 7100 < spent <= 8 * 2**30
+
+
+# ---- the end-to-end run's shortened traces (benchmarks/prefix_sim/serve.py) ------------------------
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_serve_short_traces_fit_the_micro_context(seed):
+    """The e2e run starts two servers before sending anything: its traces must fit the micro model's
+    context, keep the forks and n>1 prefills (max_new_tokens=0), and have prefixes to share."""
+    from benchmarks.prefix_sim.serve import CONTEXT, SHORT, check_fits, short_specs, simulate
+
+    for name in SHORT:
+        specs = short_specs(name, seed)
+        check_fits(name, specs)
+        trace = traces.realize(specs, traces.seeded_outputs(seed))
+        assert max(len(r.history) for r in trace) <= CONTEXT
+        assert sum(simulate(trace)[0]) > 0
+        if name in ("fork_tree", "n_sampling"):
+            assert any(s.output_len == 0 for s in specs)
+    with pytest.raises(SystemExit):
+        check_fits("agentic", short_specs("agentic", 0, scale=1.0))
