@@ -29,22 +29,24 @@ def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Blocks along the last dim, in fp32 (fp64 stays fp64: the float64 oracle checks run there)."""
     if x.shape[-1] % block:
         raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the block {block}")
+    x = x if x.dtype == torch.float64 else x.float()
     return x.unflatten(-1, (x.shape[-1] // block, block))
 
 
 def fp8_qat(x: torch.Tensor, block: int = 64, amax_floor: float = 1e-4) -> torch.Tensor:
-    """FP8_QAT(x, block): round each block to e4m3 with a power-of-two scale (fp32 in and out)."""
-    xb = _blocks(x.float(), block)
+    """FP8_QAT(x, block): round each block to e4m3 with a power-of-two scale (fp32 out, fp64 for fp64)."""
+    xb = _blocks(x, block)
     scale = pow2_scale(xb.abs().amax(-1, keepdim=True).clamp_min(amax_floor), FP8_MAX)
-    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    q = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(xb.dtype)
     return (q * scale).flatten(-2)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e2m1 value, ties to the even code; input already within [-6, 6]."""
-    mags = E2M1_VALUES[:8].to(x.device)
+    mags = E2M1_VALUES[:8].to(x.device, x.dtype)
     midpoints = (mags[1:] + mags[:-1]) / 2
     mag = x.abs().contiguous()
     idx = torch.searchsorted(midpoints, mag)  # mag <= midpoints[idx]
@@ -55,7 +57,7 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
 
 def fp4_qat(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4_QAT(x, block): round each block to e2m1 with a power-of-two scale."""
-    xb = _blocks(x.float(), block)
+    xb = _blocks(x, block)
     amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
     scale = pow2_scale(amax, FP4_MAX)
     q = e2m1_round((xb / scale).clamp(-FP4_MAX, FP4_MAX))

@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from sglang_dsv4.checkpoint import load_checkpoint
 from sglang_dsv4.core.cache import CacheCapacityError, V4Cache
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.oracle import OracleModel
@@ -108,15 +109,29 @@ def _fit(chunks: list[int], prompt_len: int) -> list[int]:
 
 
 @pytest.mark.parametrize("quant_sim", [False, True])
-def test_long_decode_wraps_ring_and_completes_c128_groups(micro, quant_sim):
-    """3-token prefill then 330 single-token decodes: two ring wrap-arounds, two C128 entries."""
-    cfg, w = micro
+def test_long_decode_wraps_ring_and_completes_c128_groups(micro_dir, quant_sim):
+    """3-token prefill then 330 single-token decodes: two ring wrap-arounds, two C128 entries.
+
+    With the quantisation simulation on, this runs in float64: fp32 round-off between a decode
+    step and the oracle's whole-sequence matmuls moves values across fp8 rounding boundaries
+    (on this prompt, in fp32: the pow2 scale of a block of C4 entry 0 at position 3, giving 4.7e-2
+    on the positions that attend to it), so only float64 can show that every rounding decision of
+    the incremental path is the oracle's. The fp32 statistics are in the pooled test above.
+    """
+    dtype = torch.float64 if quant_sim else torch.float32
+    ckpt = load_checkpoint(micro_dir, dtype=dtype)
+    cfg, w = ckpt.config, ckpt.tensors
     ids = random_ids(333, 7, cfg.vocab_size)
     ref = OracleModel(cfg, w, quant_sim=quant_sim).forward(ids)
     model = V4Model(cfg, w, quant_sim=quant_sim)
-    cache = V4Cache(cfg, max_requests=1, max_total_tokens=1024, page_size=64)
+    cache = V4Cache(cfg, max_requests=1, max_total_tokens=1024, page_size=64, dtype=dtype)
     got = run_chunks(model, cache, cache.new_request(), ids, [3])
-    assert_matches_oracle(got, ref, quant_sim)
+    assert got.dtype == dtype
+    if quant_sim:
+        err = rel_err(got, ref)
+        assert err.max() < 1e-12, f"max rel err {err.max():.3g} at position {err.argmax()}"
+    else:
+        assert_matches_oracle(got, ref, quant_sim=False)
 
 
 def test_batched_requests_match_oracle(micro):
