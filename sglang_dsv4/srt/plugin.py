@@ -47,6 +47,9 @@ def register() -> None:
         _after_memory_pools, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
                           _after_prepare_for_extend, HookType.AFTER)
+    from . import thinking_hooks
+
+    thinking_hooks.register(HookRegistry, HookType)  # the think budget (patches/thinking-budget.md)
     _register_model_class()
     _register_radix_backend()
 

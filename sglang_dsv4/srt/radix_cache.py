@@ -8,7 +8,9 @@ slot P-1 owns a snapshot. This class
     what is not recomputed), and asks for a snapshot where the request's tokens leave the cached
     path (the divergence point D > P), so the next request diverging there hits it, and at
     prompt_len - 1 of a fan-out prefix request (n>1 and frontend forks send the shared prompt
-    with max_new_tokens=0 first; the copies can match at most prompt_len - 1 tokens);
+    with max_new_tokens=0 first; the copies can match at most prompt_len - 1 tokens) and of a
+    prompt ending in ``<think>`` (V4 drops reasoning from history: the next turn continues
+    before it);
   - takes a snapshot when a request's tokens are published (``checkpoint``: chunk ends and the
     finish), and moves snapshots from slots the tree deduplicates to the tree's own slots.
 """
@@ -20,6 +22,7 @@ import logging
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
+from ..tokenizer_files import THINK_START_ID
 from .state import active_cache
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,11 @@ FORK_ATTR = "dsv4_fork_at"
 def _is_fan_out_prefix(req) -> bool:
     params = getattr(req, "sampling_params", None)
     return getattr(params, "max_new_tokens", None) == 0 and len(req.origin_input_ids) > 1
+
+
+def _opens_thinking(req) -> bool:
+    ids = req.origin_input_ids
+    return len(ids) > 1 and ids[-1] == THINK_START_ID
 
 
 class SnapshotRadixCache(RadixCache):
@@ -44,6 +52,10 @@ class SnapshotRadixCache(RadixCache):
         if _is_fan_out_prefix(req):
             # n>1 sampling and frontend forks first prefill the shared prompt with
             # max_new_tokens=0; the copies match at most prompt_len - 1 tokens: snapshot there
+            forks.add(len(req.origin_input_ids) - 1)
+        if _opens_thinking(req):
+            # the next chat turn drops this turn's reasoning: its prompt continues the history
+            # right before this <think> (with </think>answer), so it resumes there
             forks.add(len(req.origin_input_ids) - 1)
         full_len = result.device_prefix_len
         if full_len:

@@ -31,8 +31,8 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, extra: list[str], log_dir: Path):
-        self.port = _free_port()
+    def __init__(self, name: str, extra: list[str], log_dir: Path, port: int | None = None):
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self.proc = subprocess.Popen(
