@@ -219,6 +219,26 @@ class V4Config:
         if self.n_routed_experts % tp_size:
             raise ConfigError(f"n_routed_experts: {self.n_routed_experts} is not divisible by parallel size {tp_size}")
 
+    def validate_parallel(self, tp_size: int = 1, ep_size: int = 1) -> None:
+        """Check a tensor-parallel x expert-parallel split of the core (``core.parallel``).
+
+        TP splits the query heads and, with them, the groups of the grouped output projection (a
+        group's heads must stay on one rank); EP splits the routed experts. The one KV head, the
+        compressors and the indexer are replicated, so they set no constraint.
+        """
+        for name, size in (("tp_size", tp_size), ("ep_size", ep_size)):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ConfigError(f"{name}: must be a positive integer, got {size!r}")
+        if self.num_attention_heads % tp_size:
+            raise ConfigError(f"num_attention_heads: {self.num_attention_heads} query heads do not split "
+                              f"evenly over tensor-parallel size {tp_size}")
+        if self.o_groups % tp_size:
+            raise ConfigError(f"o_groups: {self.o_groups} output-projection groups do not split evenly "
+                              f"over tensor-parallel size {tp_size}")
+        if self.n_routed_experts % ep_size:
+            raise ConfigError(f"n_routed_experts: {self.n_routed_experts} routed experts do not split "
+                              f"evenly over expert-parallel size {ep_size}")
+
     def check_flashmla(self) -> None:
         """Raise ConfigError if FlashMLA's sparse kernels cannot run this attention shape."""
         if self.head_dim != 512 or self.qk_rope_head_dim != 64:

@@ -10,6 +10,7 @@ attention itself (window ring + selected entries + sink) goes to the cache's att
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch, AttnSegment
 from . import ops
 from .cache import C4_STATE_ROWS, RequestState, V4Cache
+
+if TYPE_CHECKING:
+    from .parallel import ModelParallel
 
 Tensor = torch.Tensor
 
@@ -38,10 +42,16 @@ class _Segment:
 
 
 class V4Model:
-    """Incremental V4 forward (float32 on CPU; any device the weights live on)."""
+    """Incremental V4 forward (float32 on CPU; any device the weights live on).
 
-    def __init__(self, cfg: V4Config, weights: dict[str, Tensor], quant_sim: bool = True):
-        self.cfg, self.w, self.quant_sim = cfg, weights, quant_sim
+    With ``parallel`` (a ``parallel.ModelParallel``), ``weights`` are one rank's shards
+    (``parallel.shard_model`` makes them) and the attention output and MoE are reduced over its
+    process groups; None is the single-process model.
+    """
+
+    def __init__(self, cfg: V4Config, weights: dict[str, Tensor], quant_sim: bool = True,
+                 parallel: ModelParallel | None = None):
+        self.cfg, self.w, self.quant_sim, self.parallel = cfg, weights, quant_sim, parallel
         self.layers = [ops.layer_view(weights, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
         self.mtp = [ops.layer_view(weights, f"mtp.{m}") for m in range(cfg.num_mtp_layers)]
 
@@ -127,7 +137,9 @@ class V4Model:
         h = ops.hc_post(self._attention(x, w, layer, ratio, positions, segments, cache), h, post, comb)
         y, post, comb = ops.hc_pre(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg)
         x = ops.rms_norm(y, w["ffn_norm.weight"], cfg.rms_norm_eps)
-        return ops.hc_post(ops.moe(x, ids, w, cfg, hash_routed), h, post, comb)
+        par = self.parallel
+        f = par.moe(x, ids, w, cfg, hash_routed) if par else ops.moe(x, ids, w, cfg, hash_routed)
+        return ops.hc_post(f, h, post, comb)
 
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, positions: Tensor,
                    segments: list[_Segment], cache: V4Cache) -> Tensor:
@@ -171,7 +183,8 @@ class V4Model:
             entries=pool.tensors[f"main{layer}"] if ratio else None,
             entry_layout=pool.layouts[f"main{layer}"] if ratio else None,
             sink=w["attn.attn_sink"], scale=cfg.softmax_scale))
-        return ops.attention_output(o, w, positions, freqs, cfg)
+        out = ops.attention_output(o, w, positions, freqs, cfg)
+        return self.parallel.reduce_attention(out) if self.parallel else out
 
     # ---- backend and devices ---------------------------------------------------------------
     @property

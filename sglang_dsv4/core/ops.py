@@ -129,7 +129,8 @@ def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_fre
                      cfg: V4Config) -> Tensor:
     """o: [T, H, Dh] -> [T, D]: inverse RoPE by the query position, grouped wo_a, then wo_b."""
     o = apply_rope(o, positions, inv_freqs, inverse=True)
-    G = cfg.o_groups
+    # the groups held here: all o_groups, or a tensor-parallel rank's share (core.parallel)
+    G = w["attn.wo_a.weight"].shape[0] // cfg.o_lora_rank
     o = o.reshape(o.shape[0], G, -1)
     wo_a = w["attn.wo_a.weight"].view(G, cfg.o_lora_rank, -1)
     z = torch.einsum("tgd,grd->tgr", o, wo_a)
@@ -238,6 +239,17 @@ def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
 
 def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool) -> Tensor:
     """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert."""
+    out = routed_experts(x, token_ids, w, cfg, hash_routed)
+    return out + shared_expert(x, w, cfg) if cfg.n_shared_experts else out
+
+
+def routed_experts(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool,
+                   experts: range | None = None) -> Tensor:
+    """Sum of the gated routed-expert outputs of each token, [T, D].
+
+    ``experts`` (default: all) limits the sum to the experts held here; routing is decided over
+    all experts, so the sums of disjoint ranges add up to the full one (expert parallelism).
+    """
     scores = torch.sqrt(F.softplus(linear(x, w["ffn.gate.weight"])))
     if hash_routed:
         chosen = w["ffn.gate.tid2eid"][token_ids].long()
@@ -247,15 +259,20 @@ def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_
     gates = gates / gates.sum(-1, keepdim=True) * cfg.routed_scaling_factor
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():  # loop over experts, not tokens
+        if experts is not None and e not in experts:
+            continue
         rows, slot = torch.nonzero(chosen == e, as_tuple=True)
         p = f"ffn.experts.{e}"
         y = _swiglu(x[rows], w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, gates[rows, slot])
         out.index_add_(0, rows, linear(y, w[f"{p}.w2.weight"]))
-    if cfg.n_shared_experts:
-        p = "ffn.shared_experts"
-        y = _swiglu(x, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, None)
-        out = out + linear(y, w[f"{p}.w2.weight"])
     return out
+
+
+def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config) -> Tensor:
+    """The shared expert's output, [T, D] (V4 has one; callers check ``n_shared_experts``)."""
+    p = "ffn.shared_experts"
+    y = _swiglu(x, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, None)
+    return linear(y, w[f"{p}.w2.weight"])
 
 
 def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, limit: float, gate: Tensor | None) -> Tensor:

@@ -65,7 +65,7 @@ def fill(layout: V4Fp8Rows, buf: torch.Tensor, g: torch.Generator) -> None:
 
 # ---- kernels ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("heads", [32, 64, 128])  # 32: a TP rank's share, padded to 64
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 @pytest.mark.parametrize("batch, with_lengths", [(1, False), (37, True)])
 def test_decode_matches_reference(kernels, heads, ratio, batch, with_lengths):
@@ -113,7 +113,7 @@ def test_decode_matches_reference(kernels, heads, ratio, batch, with_lengths):
     assert err < 5e-3
 
 
-@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("heads", [32, 64, 128])
 @pytest.mark.parametrize("topk", [640, 192])
 def test_prefill_matches_reference(kernels, heads, topk):
     g = torch.Generator(device="cuda").manual_seed(heads + topk)
@@ -129,6 +129,29 @@ def test_prefill_matches_reference(kernels, heads, topk):
     err = rel(out, REF.prefill(q, kv, idx, sink, 512**-0.5))
     report("prefill", heads=heads, topk=topk, rel_err=err)
     assert err < 5e-3
+
+
+def test_padded_heads_match_the_full_call(kernels):
+    """32 heads (zero-padded to 64 inside) give the outputs those heads get in a 64-head call."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    T, N, dev = 200, 3000, "cuda"
+    q = torch.randn(T, 64, 512, generator=g, device=dev).bfloat16()
+    kv = V4Fp8Rows(1).round(torch.randn(N, 512, generator=g, device=dev)).bfloat16().unsqueeze(1)
+    idx = torch.randint(0, N, (T, 1, 256), generator=g, device=dev).to(torch.int32)
+    sink = torch.randn(64, generator=g, device=dev)
+    full = kernels.prefill(q, kv, idx, sink, 512**-0.5)
+    part = kernels.prefill(q[:, :32].contiguous(), kv, idx, sink[:32].contiguous(), 512**-0.5)
+    ring_lay = V4Fp8Rows(128)
+    ring = ring_lay.alloc(T, 1, device=dev)
+    fill(ring_lay, ring[:, 0], g)
+    didx = (torch.arange(T, device=dev)[:, None] * 128 + torch.arange(128, device=dev)).to(torch.int32).unsqueeze(1)
+    dfull = kernels.decode(q.unsqueeze(1), ring[:, 0], ring_lay, didx, None, sink, 512**-0.5)
+    dpart = kernels.decode(q[:, None, :32].contiguous(), ring[:, 0], ring_lay, didx, None, sink[:32].contiguous(), 512**-0.5)
+    assert part.shape == (T, 32, 512) and dpart.shape == (T, 1, 32, 512)
+    errs = dict(prefill=rel(part, full[:, :32].float()), decode=rel(dpart, dfull[:, :, :32].float()))
+    report("padded_heads", **errs, prefill_equal=bool(torch.equal(part, full[:, :32])),
+           decode_equal=bool(torch.equal(dpart, dfull[:, :, :32])))
+    assert max(errs.values()) < 5e-3, errs
 
 
 def test_auto_selection_on_this_gpu():

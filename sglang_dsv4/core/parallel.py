@@ -1,0 +1,137 @@
+"""Tensor and expert parallelism of the V4 core over ``torch.distributed`` process groups.
+
+A rank of a TP group of size ``tp`` and an EP group of size ``ep`` holds:
+  - attention: query heads ``[r*H/tp, (r+1)*H/tp)``, i.e. their rows of ``wq_b``, their
+    ``attn_sink`` entries and their output-projection groups (``wo_a`` rows and ``wo_b`` columns of
+    groups ``[r*G/tp, (r+1)*G/tp)``: group g is heads g*H/G..(g+1)*H/G-1, so a rank's heads are
+    whole groups). Its ``wo_b`` gives a partial [T, D] output; the all-reduce (sum) over the TP
+    group completes it, as SGLang's ``RowParallelLinear`` does. The one KV head, ``wq_a``, the
+    compressors, the indexer and therefore the whole cache (rings, compressor state, compressed
+    entries) are replicated: every rank keeps its own identical ``V4Cache``.
+  - MoE: routed experts ``[r*E/ep, (r+1)*E/ep)``. Routing (top-k or the hash layers' ``tid2eid``)
+    is computed over all experts on every rank, each rank sums the contributions of its own experts
+    for all tokens, and an all-reduce over the EP group adds them. The shared expert is replicated
+    and added after the all-reduce, so it counts once.
+  - everything else (embedding, hyper-connections, norms, head, MTP's projections) replicated.
+
+The residual streams stay identical on all ranks (an all-reduce returns the same sum everywhere),
+so every rank takes the same discrete decisions (indexer top-k, routing, FP8/FP4 bins).
+
+The TP and EP groups may be the same group (SGLang runs EP over the TP ranks). No SGLang import:
+``ModelParallel(None, None)`` is the single-process model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import V4Config
+from . import ops
+from .model import V4Model
+
+Tensor = torch.Tensor
+ProcessGroup = dist.ProcessGroup
+
+_LAYER = re.compile(r"^(?:layers|mtp)\.\d+\.(.+)$")
+_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """A rank's place in the TP and EP groups (a None group = size 1, rank 0)."""
+
+    tp_group: ProcessGroup | None = None
+    ep_group: ProcessGroup | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return _size(self.tp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        return _rank(self.tp_group)
+
+    @property
+    def ep_size(self) -> int:
+        return _size(self.ep_group)
+
+    @property
+    def ep_rank(self) -> int:
+        return _rank(self.ep_group)
+
+    def local_experts(self, cfg: V4Config) -> range:
+        return _share(cfg.n_routed_experts, self.ep_rank, self.ep_size)
+
+    # ---- the model's two reductions ----------------------------------------------------------
+    def reduce_attention(self, partial: Tensor) -> Tensor:
+        """Sum of the ranks' partial output projections ([T, D], summed in place)."""
+        if self.tp_size > 1:
+            dist.all_reduce(partial, group=self.tp_group)
+        return partial
+
+    def moe(self, x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config,
+            hash_routed: bool) -> Tensor:
+        """``ops.moe`` with the routed experts split over the EP group."""
+        if self.ep_size == 1:
+            return ops.moe(x, token_ids, w, cfg, hash_routed)
+        out = ops.routed_experts(x, token_ids, w, cfg, hash_routed, self.local_experts(cfg))
+        dist.all_reduce(out, group=self.ep_group)
+        return out + ops.shared_expert(x, w, cfg) if cfg.n_shared_experts else out
+
+
+def _size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _share(n: int, rank: int, size: int) -> range:
+    """Rank ``rank``'s contiguous share of ``n`` items split ``size`` ways."""
+    k = n // size
+    return range(rank * k, (rank + 1) * k)
+
+
+def shard_weights(cfg: V4Config, weights: dict[str, Tensor], tp_rank: int = 0, tp_size: int = 1,
+                  ep_rank: int = 0, ep_size: int = 1) -> dict[str, Tensor]:
+    """One rank's tensors of the full (logical) ``weights``: attention tensors sliced to its heads
+    and output groups, other EP ranks' routed experts dropped, the rest shared with ``weights``."""
+    cfg.validate_parallel(tp_size, ep_size)
+    if not (0 <= tp_rank < tp_size and 0 <= ep_rank < ep_size):
+        raise ValueError(f"rank out of range: tp {tp_rank} of {tp_size}, ep {ep_rank} of {ep_size}")
+    heads = _share(cfg.num_attention_heads, tp_rank, tp_size)
+    groups = _share(cfg.o_groups, tp_rank, tp_size)
+    experts = _share(cfg.n_routed_experts, ep_rank, ep_size)
+    Dh, R = cfg.head_dim, cfg.o_lora_rank
+    # slices are copied so that a rank does not keep the full tensors alive
+    rules = {
+        "attn.wq_b.weight": lambda t: t[heads.start * Dh:heads.stop * Dh].clone(),
+        "attn.attn_sink": lambda t: t[heads.start:heads.stop].clone(),
+        "attn.wo_a.weight": lambda t: t[groups.start * R:groups.stop * R].clone(),
+        "attn.wo_b.weight": lambda t: t[:, groups.start * R:groups.stop * R].contiguous(),
+    }
+    out = {}
+    for name, t in weights.items():
+        m = _LAYER.match(name)
+        local = m.group(1) if m else ""
+        e = _EXPERT.match(local)
+        if e and int(e.group(1)) not in experts:
+            continue
+        rule = rules.get(local) if tp_size > 1 else None
+        out[name] = rule(t) if rule else t
+    return out
+
+
+def shard_model(model: V4Model, par: ModelParallel) -> V4Model:
+    """A V4Model for this rank of ``par``, sharing the replicated tensors with ``model``.
+
+    Every rank of the groups must call the sharded model's ``forward`` with the same batch (the
+    reductions are collectives); each keeps its own cache.
+    """
+    w = shard_weights(model.cfg, model.w, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size)
+    return V4Model(model.cfg, w, model.quant_sim, parallel=par)
