@@ -9,11 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed package
@@ -234,6 +232,7 @@ def _free_port() -> int:
 def test_ours_agrees_with_the_server(tmp_path):
     """Every request of agree.short_trace: simulator's cached tokens == server's cached_tokens."""
     from benchmarks.prefix_sim.agree import compare, short_trace
+    from benchmarks.prefix_sim.serve import wait_healthy
 
     port = _free_port()
     log = (tmp_path / "server.log").open("w")
@@ -243,16 +242,7 @@ def test_ours_agrees_with_the_server(tmp_path):
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.time() < deadline, "server did not start"
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(2)
+        wait_healthy(url, proc, tmp_path / "server.log", timeout=600)
         rows = compare(url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
