@@ -1,6 +1,6 @@
 """Think budgets: ours (grammar-bounded, the plugin) vs upstream's --enable-strict-thinking, side by side.
 
-    python benchmarks/bench_thinking.py [--model-path micro] [--repeats 2] [--max-tokens 64]
+    python -m benchmarks.bench_thinking [--model-path micro] [--repeats 2] [--max-tokens 64]
 
 Starts two servers of the same model in one run: ours (``--reasoning-parser deepseek-v4``) and
 upstream's mode (the same plus ``--enable-strict-thinking``; our hooks stand aside there), sends
@@ -23,8 +23,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import requests
+
+from .prefix_sim.serve import wait_healthy
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
                                            "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -33,24 +36,10 @@ COMMON = ["--reasoning-parser", "deepseek-v4", "--constrained-json-disable-any-w
           "--max-total-tokens", "16384", "--enable-cache-report"]
 
 
-def start(model: str, port: int, extra: list[str], log: str) -> subprocess.Popen:
+def start(model: str, port: int, extra: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sglang_dsv4.launch_server", "--model-path", model,
-                             "--port", str(port), *COMMON, *extra], stdout=open(log, "w"),
+                             "--port", str(port), *COMMON, *extra], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}")
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise TimeoutError(url)
 
 
 def body(budget: int | None, schema: bool, max_tokens: int) -> dict:
@@ -144,13 +133,13 @@ def main() -> None:
     parser.add_argument("--log-dir", default="/tmp")
     args = parser.parse_args()
     urls = {"ours": f"http://127.0.0.1:{args.port}", "upstream": f"http://127.0.0.1:{args.port + 1}"}
-    procs = {"ours": start(args.model_path, args.port, [], f"{args.log_dir}/bench_thinking_ours.log"),
-             "upstream": start(args.model_path, args.port + 1, ["--enable-strict-thinking"],
-                               f"{args.log_dir}/bench_thinking_upstream.log")}
+    logs = {name: Path(args.log_dir) / f"bench_thinking_{name}.log" for name in urls}
+    procs = {"ours": start(args.model_path, args.port, [], logs["ours"]),
+             "upstream": start(args.model_path, args.port + 1, ["--enable-strict-thinking"], logs["upstream"])}
     rows = []
     try:
         for name in urls:
-            wait(urls[name], procs[name])
+            wait_healthy(urls[name], procs[name], logs[name])
         cases = [("thinking, no budget (baseline)", None, False), ("budget 16", 16, False),
                  ("budget 64", 64, False), ("budget 16 + JSON schema", 16, True),
                  ("budget 64 + JSON schema", 64, True)]

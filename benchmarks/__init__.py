@@ -1,0 +1,1 @@
+"""Benchmark scripts; run them as modules from the repository root (``python -m benchmarks.NAME``)."""
