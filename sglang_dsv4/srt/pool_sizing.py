@@ -31,10 +31,14 @@ class V4PoolPlan:
 
     token_bytes: float  # compressed entries + indexer keys + side table, per token slot
     row_bytes: int  # ring + compressor state, per request row
-    snapshot_bytes: int  # one snapshot (a copy of a row's state)
     rows: int  # max_running_requests; SGLang's ReqToTokenPool (and so our cache) holds rows + 1
     snapshot_budget_bytes: int
     tokens: int
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """One snapshot: a copy of a request row's state, so ``row_bytes``."""
+        return self.row_bytes
 
     def describe(self) -> str:
         return (f"{self.rows + 1} request rows x {self.row_bytes} B + snapshots {self.snapshot_budget_bytes} B "
@@ -66,7 +70,7 @@ def plan_pools(cfg: V4Config, available_bytes: int, rows: int | None = None,
             f"sglang_dsv4: {available_bytes} B of KV memory cannot hold {pool_rows} request rows "
             f"({row_bytes} B each) and the snapshot budget ({snapshots} B) with any token slots left; "
             f"lower --max-running-requests or {SNAPSHOT_BUDGET_KEY}, or raise --mem-fraction-static")
-    return V4PoolPlan(token_bytes, row_bytes, row_bytes, rows, snapshots, tokens)
+    return V4PoolPlan(token_bytes, row_bytes, rows, snapshots, tokens)
 
 
 def _v4_config(kvc) -> V4Config:

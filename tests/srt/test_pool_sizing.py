@@ -23,6 +23,7 @@ def test_plan_matches_the_cache_allocation(preset):
     plan = plan_pools(cfg, available_bytes=1 << 34, rows=rows)
 
     assert plan.row_bytes == _bytes(v[0] for v in cache.slot_state.values())
+    assert plan.snapshot_bytes == cache.snapshot_bytes_each  # a snapshot copies a row's state
     assert plan.snapshot_budget_bytes == cache.snapshot_budget_bytes
     # per token slot: one C4 entry per 4 slots, one C128 entry per 128, the two side-table ints
     per_entry = {r: _bytes(t[0] for t in p.tensors.values()) for r, p in cache.pools.items()}
