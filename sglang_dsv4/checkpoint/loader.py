@@ -12,7 +12,7 @@ import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -185,10 +185,14 @@ def _describe(root: Path, problems: list[str]) -> str:
 
 
 def logical_from_stored(cfg: V4Config, stored: dict[str, torch.Tensor],
-                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                        dtype: torch.dtype | Callable[[str], torch.dtype] = torch.float32,
+                        device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Stored checkpoint tensors (as a model loader streams them) -> logical tensors by schema name.
 
-    Checks every name, shape and dtype first; raises CheckpointError listing the problems.
+    ``dtype`` is one dtype or a function of the logical name (e.g. ``core.model.weight_dtypes``);
+    with ``device`` each tensor moves there as soon as it is dequantised, so the host never holds
+    more than one dequantised tensor. Checks every name, shape and dtype first; raises
+    CheckpointError listing the problems.
     """
     def found(name: str):
         t = stored.get(name)
@@ -197,7 +201,12 @@ def logical_from_stored(cfg: V4Config, stored: dict[str, torch.Tensor],
     problems = [p for spec in checkpoint_tensors(cfg) for p in _spec_problems(spec, found)]
     if problems:
         raise CheckpointError(_describe(Path("<streamed weights>"), problems))
-    return {spec.name: _dequantize(spec, stored.__getitem__, dtype) for spec in checkpoint_tensors(cfg)}
+    dtype_of = dtype if callable(dtype) else (lambda _name: dtype)
+    out = {}
+    for spec in checkpoint_tensors(cfg):
+        t = _dequantize(spec, stored.__getitem__, dtype_of(spec.name))
+        out[spec.name] = t if device is None else t.to(device)
+    return out
 
 
 def _load_spec(spec: TensorSpec, weight_map: dict[str, str], shards: dict[str, Any],

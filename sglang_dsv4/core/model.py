@@ -41,8 +41,25 @@ class _Segment:
         return self.start + self.row1 - self.row0
 
 
+def weight_dtypes(matmul_dtype: torch.dtype, dtype: torch.dtype = torch.float32):
+    """Per-tensor dtypes for a model whose GEMMs run in ``matmul_dtype`` (e.g. bf16 on a GPU):
+    the projection and expert matrices and the embedding/head take it; norms, the router, hyper-
+    connection mixers, biases and the sink stay ``dtype`` (the activations' dtype). Dequantised
+    fp8/fp4 weights are exact in bf16 (3 and 1 mantissa bits times a power-of-two scale), so a
+    bf16 model has the checkpoint's weights; only activations are rounded at each GEMM."""
+    def dtype_of(name: str) -> torch.dtype:
+        parts = name.split(".")
+        matmul = parts[-1] == "weight" and "norm" not in parts[-2] and parts[-2] != "gate"
+        return matmul_dtype if matmul else dtype
+    return dtype_of
+
+
 class V4Model:
     """Incremental V4 forward (float32 on CPU; any device the weights live on).
+
+    Activations (residual streams, norms, compressor pooling, softmaxes) take the dtype of the
+    non-matrix weights; matrices may be narrower (``weight_dtypes``): ``ops.linear`` runs each GEMM
+    in the matrix's dtype.
 
     With ``parallel`` (a ``parallel.ModelParallel``), ``weights`` are one rank's shards
     (``parallel.shard_model`` makes them) and the attention output and MoE are reduced over its
@@ -83,7 +100,7 @@ class V4Model:
             row += t.numel()
         flat_ids = torch.cat(ids).to(self.device)
         positions = self._positions(segments)
-        h = self.w["embed.weight"][flat_ids].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        h = self.w["embed.weight"][flat_ids].to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         for i, lw in enumerate(self.layers):
             h = self._block(h, lw, i, cfg.layer_ratios[i], flat_ids, positions, segments, cache,
                             hash_routed=i < cfg.num_hash_layers, mtp=False)
@@ -190,6 +207,11 @@ class V4Model:
     @property
     def device(self) -> torch.device:
         return self.w["embed.weight"].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (that of the non-matrix weights)."""
+        return self.w["hc_head_fn"].dtype
 
     def _positions(self, segments: list[_Segment]) -> Tensor:
         return torch.cat([torch.arange(s.start, s.end, device=self.device) for s in segments])

@@ -20,7 +20,10 @@ Tensor = torch.Tensor
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
-    return x @ w.t()
+    """x @ w.T in the weight's dtype (bf16 weights: a bf16 GEMM), returned in x's dtype."""
+    if x.dtype == w.dtype:
+        return x @ w.t()
+    return (x.to(w.dtype) @ w.t()).to(x.dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -133,7 +136,7 @@ def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_fre
     G = w["attn.wo_a.weight"].shape[0] // cfg.o_lora_rank
     o = o.reshape(o.shape[0], G, -1)
     wo_a = w["attn.wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-    z = torch.einsum("tgd,grd->tgr", o, wo_a)
+    z = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(o.dtype)
     return linear(z.flatten(1), w["attn.wo_b.weight"])
 
 
@@ -285,7 +288,7 @@ def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, limit: float, gate: Tensor | None
 
 def mtp_input(h_main: Tensor, next_ids: Tensor, embed: Tensor, w: dict[str, Tensor], cfg: V4Config) -> Tensor:
     """MTP block input streams (§7): e_proj(enorm(embed(t+1))) + h_proj(hnorm(h_main)). -> [T, hc, D]."""
-    e = rms_norm(embed[next_ids], w["enorm.weight"], cfg.rms_norm_eps)
+    e = rms_norm(embed[next_ids].to(h_main.dtype), w["enorm.weight"], cfg.rms_norm_eps)
     hn = rms_norm(h_main, w["hnorm.weight"], cfg.rms_norm_eps)
     return linear(e, w["e_proj.weight"]).unsqueeze(1) + linear(hn, w["h_proj.weight"])
 

@@ -31,7 +31,7 @@ class OracleModel:
         cfg = self.cfg
         ids = ids.to(self.w["embed.weight"].device)
         positions = torch.arange(ids.numel(), device=ids.device)
-        h = self.w["embed.weight"][ids].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        h = self.w["embed.weight"][ids].to(self.w["hc_head_fn"].dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         for i, lw in enumerate(self.layers):
             h = self._block(h, lw, ids, positions, cfg.layer_ratios[i], hash_routed=i < cfg.num_hash_layers)
         y = ops.hc_head(h, self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"], cfg)

@@ -270,3 +270,28 @@ def test_entry_pool_grows_without_moving_entries():
     assert sorted(more) == [2, 3, 4]
     pool.decref(rows + more)
     pool.check_integrity([])
+
+
+def test_bf16_matrices_cache_equals_cache_free_and_weights_are_exact(micro):
+    """bf16 GEMMs (the GPU server's weights): dequantised fp8/fp4 matrices are exact in bf16; the
+    incremental model equals the cache-free oracle with the same weights for any chunking; against
+    the float32 oracle only bf16 activation rounding remains."""
+    from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
+    from sglang_dsv4.core.model import weight_dtypes
+
+    cfg, w = micro
+    dtype_of = weight_dtypes(torch.bfloat16)
+    wb = {k: v.to(dtype_of(k)) if v.is_floating_point() else v for k, v in w.items()}
+    for spec in checkpoint_tensors(cfg):
+        if spec.storage in (Storage.FP8, Storage.FP4):
+            assert wb[spec.name].dtype == torch.bfloat16 and torch.equal(wb[spec.name].float(), w[spec.name])
+    ids = random_ids(300, 3, cfg.vocab_size)
+    ref_bf16 = OracleModel(cfg, wb).forward(ids)
+    model = V4Model(cfg, wb)
+    for chunks in ([300], [37, 100, 63], [200]):
+        cache = V4Cache(cfg, max_requests=1, max_total_tokens=1024, backend="torch")
+        got = run_chunks(model, cache, cache.new_request(), ids, chunks)
+        assert torch.equal(got, ref_bf16)
+    ref = OracleModel(cfg, w).forward(ids)
+    err = rel_err(ref_bf16, ref)
+    assert err.median() < 3e-2 and (ref_bf16.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
