@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSV4_GPU_REPORT=$OUT/gpu_numbers.jsonl
 rm -f "$DSV4_GPU_REPORT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_gpu.log"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/srt/test_state_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
 rc=${PIPESTATUS[0]}
 python3 benchmarks/bench_attention.py --out "$OUT/attention_h200.md" "$@" 2>&1 | tee "$OUT/bench.log"
 echo "--- GPU test numbers"

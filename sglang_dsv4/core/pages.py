@@ -147,3 +147,82 @@ class EntryPagePool:
                 raise AssertionError(f"page {p}: refcount {self.refcount[p]} but {counts[p]} holders")
             if (p in free) != (counts[p] == 0):
                 raise AssertionError(f"page {p}: free={p in free} with {counts[p]} holders")
+
+
+class EntryRowPool:
+    """Storage rows of compressed entries handed out one at a time, each freed by its owner.
+
+    The serving cache ties an entry's lifetime to the SGLang token slot that completed it, so rows
+    are allocated and freed individually (no page tables, no sharing bookkeeping here). Pages of
+    ``page_size`` rows exist only because the storage layout is paged (FlashMLA reads rows as
+    ``page * P + offset``); a row is never split across pages. The free rows are a stack tensor,
+    so allocating and freeing n rows are single tensor operations.
+    """
+
+    def __init__(self, num_rows: int, layouts: dict[str, RowLayout], device: str | torch.device = "cpu"):
+        sizes = {layout.page_size for layout in layouts.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"layouts of one pool must share a page size, got {sorted(sizes)}")
+        self.page_size = sizes.pop()
+        self.layouts, self.device = layouts, torch.device(device)
+        self.tensors: dict[str, Tensor] = {name: layout.alloc_pool(0, self.device) for name, layout in layouts.items()}
+        self.capacity = 0
+        self._free = torch.empty(0, dtype=torch.long)
+        self._num_free = 0
+        self._in_use = torch.zeros(0, dtype=torch.bool)
+        self.grow(max(num_rows, 1))
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - self._num_free
+
+    @property
+    def row_bytes(self) -> float:
+        """Bytes of one entry row over all tensors of the pool (page padding amortised)."""
+        return sum(layout.row_bytes for layout in self.layouts.values())
+
+    def grow(self, extra_rows: int) -> None:
+        """Add at least ``extra_rows`` free rows (whole pages; tensors are reallocated, rows keep
+        their index)."""
+        pages = -(-extra_rows // self.page_size)
+        old = self.capacity
+        self.capacity += pages * self.page_size
+        for name, t in self.tensors.items():
+            self.tensors[name] = torch.cat((t, self.layouts[name].alloc_pool(pages, self.device)))
+        new_rows = torch.arange(self.capacity - 1, old - 1, -1)
+        live = self._free[:self._num_free]
+        self._free = torch.cat((new_rows, live))  # the stack's top is the end: old free rows first
+        self._num_free = self._free.numel()
+        self._in_use = torch.cat((self._in_use, torch.zeros(self.capacity - old, dtype=torch.bool)))
+
+    def alloc(self, n: int) -> Tensor:
+        """``n`` free rows (growing the pool when it runs out) -> int64 tensor [n]."""
+        if n > self._num_free:
+            self.grow(max(self.capacity, n - self._num_free))
+        rows = self._free[self._num_free - n:self._num_free].clone()
+        self._num_free -= n
+        self._in_use[rows] = True
+        return rows
+
+    def free(self, rows: Tensor) -> None:
+        """Return rows to the pool; a row freed twice is an error (it would be handed out twice)."""
+        rows = rows.long().cpu()
+        if rows.numel() == 0:
+            return
+        if not bool(self._in_use[rows].all()) or rows.unique().numel() != rows.numel():
+            raise AssertionError("compressed entry row freed twice")
+        self._in_use[rows] = False
+        self._free[self._num_free:self._num_free + rows.numel()] = rows
+        self._num_free += rows.numel()
+
+    def write(self, name: str, rows: Tensor, x: Tensor) -> None:
+        """Store entries x [n, dim] of tensor ``name`` at rows ``rows``."""
+        self.layouts[name].write(self.tensors[name], rows, x)
+
+    def read(self, name: str, rows: Tensor) -> Tensor:
+        """Entries of tensor ``name`` at rows ``rows`` -> [n, dim]."""
+        return self.layouts[name].read(self.tensors[name], rows)

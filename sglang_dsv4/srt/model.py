@@ -16,8 +16,8 @@ from torch import nn
 
 from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
-from ..core.model import V4Model
-from .pool_sizing import SNAPSHOT_BUDGET_KEY
+from ..core.model import V4Model, weight_dtypes
+from .pool_sizing import SNAPSHOT_BUDGET_KEY, cache_backend
 from .state import SglangV4Cache
 
 logger = logging.getLogger(__name__)
@@ -43,13 +43,16 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors as stored (fp8 + scales, packed fp4, ...) -> the core's weights."""
         stored = {name: t for name, t in weights}
-        tensors = logical_from_stored(self.v4, stored, torch.float32)
-        device = self.lm_head.weight.device
-        tensors = {k: v.to(device) for k, v in tensors.items()}
+        # GEMMs in SGLang's --dtype (bf16 on GPU; the CPU launcher picks float32), activations fp32
+        matmul_dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
+        tensors = logical_from_stored(self.v4, stored, weight_dtypes(matmul_dtype), device=device)
+        del stored
         self.lm_head.weight.data.copy_(tensors["head.weight"])
+        tensors["head.weight"] = self.lm_head.weight.data  # one copy of the head
         self.core = V4Model(self.v4, tensors)
-        logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s)", len(tensors),
-                    self.v4.num_hidden_layers, list(self.v4.layer_ratios))
+        logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s; matrices %s, activations "
+                    "float32) on %s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
+                    matmul_dtype, device)
 
     # ---- forward ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -102,24 +105,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         rows, max_len = req_to_token_pool.req_to_token.shape
         num_slots = int(token_allocator.size) + int(token_allocator.page_size) + 1
         budget_mb = getattr(self.config, SNAPSHOT_BUDGET_KEY, None)
+        device = self.lm_head.weight.device
         self.cache = SglangV4Cache(self.v4, rows, num_slots, max_seq_len=max_len,
                                    snapshot_budget_bytes=None if budget_mb is None else int(budget_mb * 2**20),
-                                   device=self.lm_head.weight.device)
+                                   device=device, backend=cache_backend(self.v4, self.config, device))
         self.cache.req_to_token = req_to_token_pool.req_to_token
         self.req_generation = req_to_token_pool.req_generation  # bumped when a row changes hands
         per_req = sum(v[0].numel() * v.element_size() for v in self.cache.slot_state.values())
-        entry_bytes = {r: sum(t.numel() * t.element_size() for t in p.tensors.values())
-                       for r, p in self.cache.pools.items()}
+        entry_bytes = {r: int(p.capacity * p.row_bytes) for r, p in self.cache.pools.items()}
         if enable_metrics:
             from .metrics import V4CacheMetrics
 
             self.metrics = V4CacheMetrics(self.cache)
         budget = self.cache.snapshot_budget_bytes
-        logger.info("sglang_dsv4 memory: rings + compressor state %d B (%d request rows x %d B, a "
+        logger.info("sglang_dsv4 memory: attention %s; rings + compressor state %d B (%d request rows x %d B, a "
                     "%d-token window each); compressed entries %d B (C4 %d B + C128 %d B, for %d "
                     "token slots, grown on demand); snapshots budget %d B (%d snapshots of %d B = "
                     "%d window tokens, LRU; set %s in --json-model-override-args)",
-                    rows * per_req, rows, per_req, self.v4.sliding_window,
+                    self.cache.backend.name, rows * per_req, rows, per_req, self.v4.sliding_window,
                     entry_bytes[4] + entry_bytes[128], entry_bytes[4], entry_bytes[128], num_slots,
                     budget, budget // per_req, per_req, budget // per_req * self.v4.sliding_window,
                     SNAPSHOT_BUDGET_KEY)

@@ -15,13 +15,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from ..config import V4Config
+from ..kernels.backend import TORCH_BACKEND, AttentionBackend
+from ..kernels.dispatch import select_backend
 from ..memory import cache_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # upstream's V4 default too; each request row owns a ring
 SNAPSHOT_BUDGET_KEY = "dsv4_snapshot_budget_mb"  # read from the HF config (json model overrides)
+ATTENTION_BACKEND_KEY = "dsv4_attention_backend"  # likewise: auto | torch | torch-fp8 | flashmla
+ENTRY_PAGE_ROWS = 64  # rows per storage page of the cache's entry pools (FlashMLA's paged layout)
 ENTRY_SIDE_TABLE_BYTES = 2 * 8  # per token slot: one int64 entry row per ratio (state.entry_of_slot)
 
 
@@ -51,18 +57,34 @@ def default_snapshot_budget_bytes(rows: int, snapshot_bytes: int) -> int:
     return max(64, 4 * rows) * snapshot_bytes
 
 
+def cache_backend(cfg: V4Config, hf_config, device: torch.device | str) -> AttentionBackend:
+    """The attention backend (and so the storage format) of the served model's cache: the
+    ``dsv4_attention_backend`` model override, default "auto" (FlashMLA where it runs)."""
+    return select_backend(getattr(hf_config, ATTENTION_BACKEND_KEY, None) or "auto", cfg, device)
+
+
+def storage_bytes(cfg: V4Config, backend: AttentionBackend) -> tuple[int, float]:
+    """(bytes of one request row: rings + compressor state, compressed bytes per token slot) as
+    ``state.SglangV4Cache`` allocates them for ``backend`` (its layouts, page padding included)."""
+    ring = backend.window_layout(cfg, torch.float32)
+    row = (cfg.num_hidden_layers + cfg.num_mtp_layers) * ring.page_bytes
+    row += int(cache_bytes(cfg, "fp32").compressor_state_bytes_per_request)  # fp32 in every layout
+    entries = backend.entry_layouts(cfg, ENTRY_PAGE_ROWS, torch.float32)
+    token = sum(sum(layout.row_bytes for layout in layouts.values()) / r for r, layouts in entries.items())
+    return row, token
+
+
 def plan_pools(cfg: V4Config, available_bytes: int, rows: int | None = None,
-               snapshot_budget_mb: float | None = None, layout: str = "fp32",
+               snapshot_budget_mb: float | None = None, backend: AttentionBackend = TORCH_BACKEND,
                page_size: int = 1) -> V4PoolPlan:
-    """Split ``available_bytes`` for our cache stored in ``layout``: rows and snapshots first, the
+    """Split ``available_bytes`` for our cache stored by ``backend``: rows and snapshots first, the
     rest in token slots (floored to ``page_size``). Raises ValueError when nothing is left."""
-    b = cache_bytes(cfg, layout)
+    row_bytes, entry_bytes = storage_bytes(cfg, backend)
     rows = rows or DEFAULT_MAX_RUNNING_REQUESTS
     pool_rows = rows + 1  # ReqToTokenPool allocates size + 1 rows; the cache gives each a ring
-    row_bytes = int(b.window_bytes_per_request + b.compressor_state_bytes_per_request)
     snapshots = (default_snapshot_budget_bytes(pool_rows, row_bytes) if snapshot_budget_mb is None
                  else int(snapshot_budget_mb * 2**20))
-    token_bytes = b.compressed_bytes_per_token + ENTRY_SIDE_TABLE_BYTES
+    token_bytes = entry_bytes + ENTRY_SIDE_TABLE_BYTES
     left = available_bytes - pool_rows * row_bytes - snapshots
     tokens = int(max(left, 0) // token_bytes) // page_size * page_size
     if tokens <= 0:
@@ -89,10 +111,12 @@ def make_pool_configurator(kvc):
             self.cfg = _v4_config(kvc)
             self.rows = get_schedule().max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
             self.snapshot_mb = getattr(kvc.model_config.hf_config, SNAPSHOT_BUDGET_KEY, None)
+            self.backend = cache_backend(self.cfg, kvc.model_config.hf_config, kvc.device)
 
         def calculate_pool_sizes(self, available_bytes: int, page_size: int) -> MemoryPoolConfig:
-            plan = plan_pools(self.cfg, available_bytes, self.rows, self.snapshot_mb, page_size=page_size)
-            logger.info("sglang_dsv4 pool plan for %d B: %s", available_bytes, plan.describe())
+            plan = plan_pools(self.cfg, available_bytes, self.rows, self.snapshot_mb, self.backend, page_size)
+            logger.info("sglang_dsv4 pool plan for %d B (%s storage): %s", available_bytes,
+                        self.backend.name, plan.describe())
             return MemoryPoolConfig(max_total_num_tokens=plan.tokens)
 
         def calculate_pool_sizes_from_max_tokens(self, max_total_num_tokens: int,

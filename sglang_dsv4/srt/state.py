@@ -23,9 +23,11 @@ from typing import Iterator
 import torch
 
 from ..config import V4Config
-from ..core.cache import RATIOS, RequestState, alloc_slot_state, entry_dims, reset_slot_state
-from ..core.pages import EntryPagePool
-from .pool_sizing import default_snapshot_budget_bytes
+from ..core.cache import RATIOS, RequestState, alloc_slot_state, reset_slot_state
+from ..core.pages import EntryRowPool
+from ..kernels.backend import AttentionBackend
+from ..kernels.dispatch import select_backend
+from .pool_sizing import ENTRY_PAGE_ROWS, default_snapshot_budget_bytes
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -67,19 +69,28 @@ class _Row:
 
 
 class SglangV4Cache:
-    """Duck-types ``core.cache.V4Cache`` for ``V4Model``, with SGLang owning the lifetimes."""
+    """Duck-types ``core.cache.V4Cache`` for ``V4Model``, with SGLang owning the lifetimes.
+
+    ``backend`` (a name for ``kernels.dispatch.select_backend`` or an ``AttentionBackend``; "auto":
+    FlashMLA where it runs, else torch) fixes how rings and entries are stored: FlashMLA's fp8
+    layout or float rows of ``dtype``. Compressor state is ``dtype`` (float32) either way.
+    """
 
     def __init__(self, cfg: V4Config, num_req_rows: int, num_token_slots: int, max_seq_len: int,
                  snapshot_budget_bytes: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 backend: AttentionBackend | str | None = "auto"):
         global _ACTIVE
         self.cfg, self.device, self.max_seq_len = cfg, torch.device(device), max_seq_len
+        self.backend = select_backend(backend, cfg, self.device)
         self.c4_index = {layer: i for i, layer in enumerate(cfg.c4_layers)}
         self.c128_index = {layer: i for i, layer in enumerate(cfg.c128_layers)}
-        self.slot_state = alloc_slot_state(cfg, num_req_rows, dtype, self.device)
-        # Every token slot can own at most one entry per ratio; only every r-th position does.
-        self.pools = {r: EntryPagePool(num_token_slots // r + num_req_rows + 1, 1, dims, dtype, self.device)
-                      for r, dims in entry_dims(cfg).items()}
+        self.slot_state = alloc_slot_state(cfg, num_req_rows, dtype, self.device,
+                                           self.backend.window_layout(cfg, dtype))
+        # Every token slot can own at most one entry per ratio; only every r-th position does, so
+        # this is the usual need; a tree of many short branches grows the pool.
+        self.pools = {r: EntryRowPool(num_token_slots // r + num_req_rows + 1, layouts, self.device)
+                      for r, layouts in self.backend.entry_layouts(cfg, ENTRY_PAGE_ROWS, dtype).items()}
         self.entry_of_slot = {r: torch.full((num_token_slots,), -1, dtype=torch.long) for r in RATIOS}
         # LRU order: least recently taken/matched/restored first
         self.snapshots: OrderedDict[int, SlotSnapshot] = OrderedDict()
@@ -152,10 +163,8 @@ class SglangV4Cache:
                 first, last = req.num_tokens // r, (req.num_tokens + n) // r
                 slots = self.req_to_token[req.slot, torch.arange(first, last) * r + r - 1].long()
                 old = self.entry_of_slot[r][slots]
-                pool.decref(old[old >= 0].tolist())  # a slot written again (recompute) drops its old entry
-                if pool.num_free < last - first:  # a tree of many short branches: grow
-                    pool.grow(max(pool.num_pages, last - first))
-                rows = torch.tensor([pool.alloc() for _ in range(last - first)], dtype=torch.long)
+                pool.free(old[old >= 0])  # a slot written again (recompute) drops its old entry
+                rows = pool.alloc(last - first)
                 self.entry_of_slot[r][slots] = rows
                 out[r].append(rows)
         return out
@@ -230,7 +239,7 @@ class SglangV4Cache:
         slots = slots.long().cpu()
         for r, pool in self.pools.items():
             rows = self.entry_of_slot[r][slots]
-            pool.decref(rows[rows >= 0].tolist())
+            pool.free(rows[rows >= 0])
             self.entry_of_slot[r][slots] = -1
         if self.snapshots:
             for s in slots.tolist():
@@ -242,7 +251,7 @@ class SglangV4Cache:
         """All token slots were released together (cache flush): drop every entry and snapshot."""
         for r, pool in self.pools.items():
             rows = self.entry_of_slot[r]
-            pool.decref(rows[rows >= 0].tolist())
+            pool.free(rows[rows >= 0])
             rows.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)
         self.snapshots.clear()
@@ -255,11 +264,9 @@ class SglangV4Cache:
 
     def usage(self) -> dict[str, int]:
         """Entries, rings and snapshots held right now (for metrics and leak checks)."""
-        entries = {r: p.num_pages - p.num_free for r, p in self.pools.items()}
-        entry_bytes = {r: sum(t[0].numel() * t.element_size() for t in p.tensors.values())
-                       for r, p in self.pools.items()}
+        entries = {r: p.num_used for r, p in self.pools.items()}
         return {"c4_entries": entries[4], "c128_entries": entries[128],
-                "compressed_bytes": sum(entries[r] * entry_bytes[r] for r in entries),
+                "compressed_bytes": int(sum(p.num_used * p.row_bytes for p in self.pools.values())),
                 "rings_in_use": len(self.rows),
                 "snapshots": len(self.snapshots),
                 "snapshot_bytes": len(self.snapshots) * self.snapshot_bytes_each}

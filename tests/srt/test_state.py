@@ -1,0 +1,88 @@
+"""``SglangV4Cache`` driven as SGLang drives it (request rows, token slots, frees), without a server:
+resuming from a snapshot on shared token slots continues exactly, in each storage format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.core.oracle import OracleModel
+from sglang_dsv4.srt.state import SglangV4Cache
+
+ROWS, SLOTS, MAX_LEN = 4, 4096, 1024
+
+
+class Slots:
+    """A stand-in for SGLang's token-slot allocator: hands out fresh slot numbers."""
+
+    def __init__(self) -> None:
+        self.next = 1  # SGLang keeps slot 0 as padding
+
+    def take(self, n: int) -> torch.Tensor:
+        out = torch.arange(self.next, self.next + n, dtype=torch.int32)
+        self.next += n
+        return out
+
+
+def _cache(cfg, backend: str) -> SglangV4Cache:
+    cache = SglangV4Cache(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend=backend)
+    cache.req_to_token = torch.zeros(ROWS, MAX_LEN, dtype=torch.int32)
+    return cache
+
+
+def _run(model, cache, row, gen, prefix_len, ids, chunks):
+    state = cache.bind(row, gen, prefix_len)
+    out, pos = [], 0
+    for c in chunks:
+        out.append(model.forward(cache, [state], [ids[pos:pos + c]])[0])
+        pos += c
+    return state, torch.cat(out)
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-fp8"])
+def test_resume_from_snapshot_on_shared_slots_matches_a_cold_run(micro, backend):
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, cfg.vocab_size, (261,), generator=g)  # two C128 groups + a partial one
+    tails = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (40, 7)]
+
+    cache, slots = _cache(cfg, backend), Slots()
+    # request A (row 0): the shared prefix, a snapshot there (a fork point), then its own tail
+    cache.req_to_token[0, :301] = slots.take(301)
+    a, _ = _run(model, cache, 0, 1, 0, torch.cat((shared, tails[0])), [261])
+    cache.take_snapshot(a)
+    model.forward(cache, [a], [tails[0][:20]])
+    # request B (row 1) matched A's prefix: the radix tree gives it A's slots for it
+    cache.req_to_token[1, :261] = cache.req_to_token[0, :261]
+    cache.req_to_token[1, 261:268] = slots.take(7)
+    _, resumed = _run(model, cache, 1, 1, 261, tails[1], [3, 1, 1, 1, 1])
+    assert cache.stats["snapshots_restored"] == 1 and cache.stats["prompt_tokens_cached"] == 261
+
+    # the same tokens cold, in a fresh cache, same chunking after the prefix
+    cold_cache, cold_slots = _cache(cfg, backend), Slots()
+    cold_cache.req_to_token[0, :268] = cold_slots.take(268)
+    _, cold = _run(model, cold_cache, 0, 1, 0, torch.cat((shared, tails[1])), [261, 3, 1, 1, 1, 1])
+    assert torch.equal(resumed, cold[261:])
+    if backend == "torch":  # float32 rows: the oracle's numbers up to fp8-QAT rounding-bin flips
+        ref = OracleModel(cfg, w).forward(torch.cat((shared, tails[1])))[261:]
+        assert ((resumed - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 2e-3
+
+    # SGLang frees A's and B's slots and rows: nothing stays behind
+    used = cache.usage()
+    assert used["snapshots"] == 1 and used["rings_in_use"] == 2 and used["c4_entries"] > 0
+    cache.free_token_slots(cache.req_to_token[0, :281].clone())
+    cache.free_token_slots(cache.req_to_token[1, 261:268].clone())
+    cache.release_rows([0, 1])
+    assert cache.usage() == {"c4_entries": 0, "c128_entries": 0, "compressed_bytes": 0,
+                             "rings_in_use": 0, "snapshots": 0, "snapshot_bytes": 0}
+
+
+def test_fp8_storage_is_flashmla_sized(micro):
+    """With the fp8 layout a ring and a snapshot are FlashMLA's 584-byte rows, not float rows."""
+    cfg, _ = micro
+    f32, fp8 = _cache(cfg, "torch"), _cache(cfg, "torch-fp8")
+    assert fp8.slot_state["ring"].dtype == torch.uint8
+    assert fp8.snapshot_bytes_each < f32.snapshot_bytes_each
+    assert fp8.pools[4].row_bytes < f32.pools[4].row_bytes
