@@ -7,7 +7,8 @@
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
 site-packages (SGLang imports it before plugins run), torch-native attention and sampling, no
-CUDA graphs or overlap scheduling, float32, and a KV cap so the pool is not sized from system RAM.
+CUDA graphs or overlap scheduling, float32, a KV cap so the pool is not sized from system RAM, and
+``--sleep-on-idle`` (an idle scheduler waits on its sockets instead of busy-polling a whole core).
 Arguments given on the command line always win over these defaults.
 """
 
@@ -30,6 +31,7 @@ CPU_DEFAULTS: dict[str, object] = {
     "chunked_prefill_size": 2048,
     "disable_cuda_graph": True,
     "disable_overlap_schedule": True,
+    "sleep_on_idle": True,
 }
 SHIM_DIR = Path(__file__).parent / "srt" / "cpu_shim"
 
