@@ -2,7 +2,9 @@
 
     python -m sglang_dsv4.launch_server --model-path {micro,tiny,DIR} [SGLang server arguments]
 
-``--dsv4-snapshot-budget-mb N`` bounds the memory of fork-point snapshots (LRU beyond it).
+``--dsv4-snapshot-budget-mb N`` bounds the memory of fork-point snapshots (LRU beyond it);
+``--dsv4-attention-backend {auto,torch,torch-fp8,flashmla}`` picks the cache's storage format and
+attention kernel (auto: FlashMLA on SM90/SM100 GPUs, float32 rows and torch elsewhere).
 ``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
@@ -36,11 +38,25 @@ CPU_DEFAULTS: dict[str, object] = {
 SHIM_DIR = Path(__file__).parent / "srt" / "cpu_shim"
 
 
-def cpu_environment(env: dict[str, str]) -> dict[str, str]:
-    """The environment SGLang needs on a CPU-only machine (see patches/cpu-launcher.md)."""
+def cpu_environment(env: dict[str, str], ranks: int = 1) -> dict[str, str]:
+    """The environment SGLang needs on a CPU-only machine (see patches/cpu-launcher.md).
+
+    With several ranks (``--tp-size``): the cores split evenly between them (SGLang otherwise
+    wants a NUMA node per rank), and SGLang's NCCL wrapper pointed at no library, so its CPU
+    groups use gloo instead of trying to build an NCCL communicator on the CPU (which fails when
+    the installed torch brings libnccl).
+    """
     env = dict(env)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM_DIR), env.get("PYTHONPATH")]))
+    if ranks > 1:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if len(cores) < ranks:
+            raise SystemExit(f"--tp-size: {ranks} CPU ranks need at least {ranks} cores, this machine has {len(cores)}")
+        share = len(cores) // ranks
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(
+            f"{cores[r * share]}-{cores[(r + 1) * share - 1]}" for r in range(ranks)))
+        env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
     return env
 
 
@@ -76,41 +92,74 @@ def cpu_arguments(args: list[str]) -> list[str]:
     return list(args) + extra
 
 
-def snapshot_budget_argument(args: list[str]) -> list[str]:
-    """``--dsv4-snapshot-budget-mb N`` -> the model config override our model reads."""
-    out, budget = [], None
+def _budget_mb(flag: str, value: str) -> float:
+    try:
+        mb = float(value)
+    except ValueError:
+        raise SystemExit(f"{flag}: expected a number of MiB, got {value!r}") from None
+    if mb < 0:
+        raise SystemExit(f"{flag}: must be >= 0, got {value}")
+    return mb
+
+
+def _attention_backend(flag: str, value: str) -> str:
+    from .kernels.dispatch import BACKEND_NAMES
+
+    if value not in BACKEND_NAMES:
+        raise SystemExit(f"{flag}: expected one of {', '.join(BACKEND_NAMES)}, got {value!r}")
+    return value
+
+
+# our flags -> (model config override key our model reads, value parser)
+DSV4_FLAGS = {
+    "--dsv4-snapshot-budget-mb": ("dsv4_snapshot_budget_mb", _budget_mb),
+    "--dsv4-attention-backend": ("dsv4_attention_backend", _attention_backend),
+}
+
+
+def dsv4_arguments(args: list[str]) -> list[str]:
+    """Our ``--dsv4-*`` flags -> entries of SGLang's ``--json-model-override-args`` (our model
+    reads them from its config); every other argument passes through."""
+    out, overrides = [], {}
     it = iter(args)
     for a in it:
-        if a == "--dsv4-snapshot-budget-mb":
-            budget = next(it, None)
-        elif a.startswith("--dsv4-snapshot-budget-mb="):
-            budget = a.split("=", 1)[1]
-        else:
+        flag, _, inline = a.partition("=")
+        if flag not in DSV4_FLAGS:
             out.append(a)
-    if budget is None:
+            continue
+        value = inline if inline else next(it, None)
+        if value is None:
+            raise SystemExit(f"{flag}: expected a value")
+        key, parse = DSV4_FLAGS[flag]
+        overrides[key] = parse(flag, value)
+    if not overrides:
         return out
-    try:
-        value = float(budget)
-    except ValueError:
-        raise SystemExit(f"--dsv4-snapshot-budget-mb: expected a number of MiB, got {budget!r}") from None
-    if value < 0:
-        raise SystemExit(f"--dsv4-snapshot-budget-mb: must be >= 0, got {budget}")
     if "--json-model-override-args" in out:
         i = out.index("--json-model-override-args")
-        overrides = json.loads(out[i + 1])
-        overrides["dsv4_snapshot_budget_mb"] = value
-        out[i + 1] = json.dumps(overrides)
+        out[i + 1] = json.dumps({**json.loads(out[i + 1]), **overrides})
     else:
-        out += ["--json-model-override-args", json.dumps({"dsv4_snapshot_budget_mb": value})]
+        out += ["--json-model-override-args", json.dumps(overrides)]
     return out
 
 
+def _parallel_ranks(args: list[str]) -> int:
+    """Scheduler processes the arguments ask for on this machine (tp x pp x dp)."""
+    ranks = 1
+    for names in (("--tp-size", "--tp"), ("--pp-size",), ("--dp-size", "--dp")):
+        for i, a in enumerate(args):
+            flag, _, inline = a.partition("=")
+            if flag in names:
+                ranks *= int(inline or args[i + 1])
+                break
+    return ranks
+
+
 def build_command(argv: list[str], cuda: bool) -> tuple[list[str], dict[str, str]]:
-    args = snapshot_budget_argument(resolve_model_path(argv))
+    args = dsv4_arguments(resolve_model_path(argv))
     env = dict(os.environ)
     if not cuda:
         args = cpu_arguments(args)
-        env = cpu_environment(env)
+        env = cpu_environment(env, _parallel_ranks(args))
     return [sys.executable, "-m", "sglang.launch_server", *args], env
 
 

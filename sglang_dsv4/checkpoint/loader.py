@@ -186,13 +186,16 @@ def _describe(root: Path, problems: list[str]) -> str:
 
 def logical_from_stored(cfg: V4Config, stored: dict[str, torch.Tensor],
                         dtype: torch.dtype | Callable[[str], torch.dtype] = torch.float32,
-                        device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+                        device: torch.device | str | None = None,
+                        shard: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+                        ) -> dict[str, torch.Tensor]:
     """Stored checkpoint tensors (as a model loader streams them) -> logical tensors by schema name.
 
     ``dtype`` is one dtype or a function of the logical name (e.g. ``core.model.weight_dtypes``);
-    with ``device`` each tensor moves there as soon as it is dequantised, so the host never holds
-    more than one dequantised tensor. Checks every name, shape and dtype first; raises
-    CheckpointError listing the problems.
+    ``shard(name, tensor)`` (e.g. ``core.parallel.tensor_sharder``) keeps a rank's part of each
+    tensor (None: none of it); with ``device`` each kept tensor moves there as soon as it is
+    dequantised, so the host never holds more than one dequantised tensor. Checks every name,
+    shape and dtype first; raises CheckpointError listing the problems.
     """
     def found(name: str):
         t = stored.get(name)
@@ -205,6 +208,8 @@ def logical_from_stored(cfg: V4Config, stored: dict[str, torch.Tensor],
     out = {}
     for spec in checkpoint_tensors(cfg):
         t = _dequantize(spec, stored.__getitem__, dtype_of(spec.name))
+        if shard is not None and (t := shard(spec.name, t)) is None:
+            continue
         out[spec.name] = t if device is None else t.to(device)
     return out
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,20 @@ def shard_weights(cfg: V4Config, weights: dict[str, Tensor], tp_rank: int = 0, t
                   ep_rank: int = 0, ep_size: int = 1) -> dict[str, Tensor]:
     """One rank's tensors of the full (logical) ``weights``: attention tensors sliced to its heads
     and output groups, other EP ranks' routed experts dropped, the rest shared with ``weights``."""
+    shard = tensor_sharder(cfg, tp_rank, tp_size, ep_rank, ep_size)
+    out = {}
+    for name, t in weights.items():
+        local = shard(name, t)
+        if local is not None:
+            out[name] = local
+    return out
+
+
+def tensor_sharder(cfg: V4Config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
+                   ep_size: int = 1) -> Callable[[str, Tensor], Tensor | None]:
+    """``shard(name, full_tensor)`` -> this rank's part of one logical tensor, or None where the rank
+    holds none of it (another EP rank's expert). One tensor at a time, so a loader can shard while
+    it streams a checkpoint."""
     cfg.validate_parallel(tp_size, ep_size)
     if not (0 <= tp_rank < tp_size and 0 <= ep_rank < ep_size):
         raise ValueError(f"rank out of range: tp {tp_rank} of {tp_size}, ep {ep_rank} of {ep_size}")
@@ -115,16 +130,17 @@ def shard_weights(cfg: V4Config, weights: dict[str, Tensor], tp_rank: int = 0, t
         "attn.wo_a.weight": lambda t: t[groups.start * R:groups.stop * R].clone(),
         "attn.wo_b.weight": lambda t: t[:, groups.start * R:groups.stop * R].contiguous(),
     }
-    out = {}
-    for name, t in weights.items():
+
+    def shard(name: str, t: Tensor) -> Tensor | None:
         m = _LAYER.match(name)
         local = m.group(1) if m else ""
         e = _EXPERT.match(local)
         if e and int(e.group(1)) not in experts:
-            continue
+            return None
         rule = rules.get(local) if tp_size > 1 else None
-        out[name] = rule(t) if rule else t
-    return out
+        return rule(t) if rule else t
+
+    return shard
 
 
 def shard_model(model: V4Model, par: ModelParallel) -> V4Model:

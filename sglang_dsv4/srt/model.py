@@ -17,6 +17,7 @@ from torch import nn
 from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
 from ..core.model import V4Model, weight_dtypes
+from ..core.parallel import ModelParallel, tensor_sharder
 from .pool_sizing import SNAPSHOT_BUDGET_KEY, cache_backend
 from .state import SglangV4Cache
 
@@ -41,18 +42,35 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Checkpoint tensors as stored (fp8 + scales, packed fp4, ...) -> the core's weights."""
+        """Checkpoint tensors as stored (fp8 + scales, packed fp4, ...) -> this rank's core weights."""
         stored = {name: t for name, t in weights}
         # GEMMs in SGLang's --dtype (bf16 on GPU; the CPU launcher picks float32), activations fp32
         matmul_dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
-        tensors = logical_from_stored(self.v4, stored, weight_dtypes(matmul_dtype), device=device)
+        par = self._model_parallel()
+        shard = None if par is None else tensor_sharder(self.v4, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size)
+        tensors = logical_from_stored(self.v4, stored, weight_dtypes(matmul_dtype), device=device, shard=shard)
         del stored
-        self.lm_head.weight.data.copy_(tensors["head.weight"])
-        tensors["head.weight"] = self.lm_head.weight.data  # one copy of the head
-        self.core = V4Model(self.v4, tensors)
+        # SGLang's vocab-parallel head takes this rank's rows; its logits processor gathers them
+        self.lm_head.weight_loader(self.lm_head.weight, tensors["head.weight"])
+        if par is None:
+            tensors["head.weight"] = self.lm_head.weight.data  # one copy of the head
+        self.core = V4Model(self.v4, tensors, parallel=par)
         logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s; matrices %s, activations "
-                    "float32) on %s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
-                    matmul_dtype, device)
+                    "float32) on %s%s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
+                    matmul_dtype, device, "" if par is None else
+                    f"; rank tp {par.tp_rank}/{par.tp_size} ep {par.ep_rank}/{par.ep_size}")
+
+    def _model_parallel(self) -> ModelParallel | None:
+        """Our TP / EP groups from SGLang's (--tp-size, --ep-size); None on one rank. Attention
+        splits heads over the TP group, routed experts split over the MoE-EP group."""
+        from sglang.srt.distributed import parallel_state as ps
+
+        tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_moe_expert_parallel_world_size()
+        if tp == 1 and ep == 1:
+            return None
+        self.v4.validate_parallel(tp, ep)
+        return ModelParallel(ps.get_tp_group().device_group if tp > 1 else None,
+                             ps.get_moe_ep_group().device_group if ep > 1 else None)
 
     # ---- forward ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -31,6 +31,8 @@ def register() -> None:
                           _not_upstream_v4, HookType.AROUND)
     HookRegistry.register("sglang.srt.utils.hf_transformers.config.get_config",
                           _hide_quantization_config, HookType.AFTER)
+    HookRegistry.register("sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp",
+                          _keep_config_under_cpu_tp, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
                           _pool_configurator, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
@@ -92,6 +94,15 @@ def _hide_quantization_config(config, *args, **kwargs):
     if ARCH in (getattr(config, "architectures", None) or []):
         config.quantization_config = None
     return config
+
+
+def _keep_config_under_cpu_tp(original, model_config, *args, **kwargs):
+    """On CPU with TP, SGLang pads head counts (and makes the one KV head two) when they do not
+    divide the TP size; our model splits its heads itself (``core.parallel``, checked by
+    ``V4Config.validate_parallel``), so its config stays as the checkpoint says."""
+    if ARCH in (getattr(model_config.hf_config, "architectures", None) or []):
+        return model_config
+    return original(model_config, *args, **kwargs)
 
 
 def _pool_configurator(original, kvc, *args, **kwargs):
