@@ -2,10 +2,13 @@
 
 Two servers are started once for the module (in parallel) through `python -m
 sglang_dsv4.launch_server`; every test sends the same requests to both and compares.
+`running_servers` (start several at once, one start-up deadline, stop them all) is shared with
+test_thinking_server.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import requests
@@ -69,20 +73,30 @@ class Server:
         return r.json()
 
 
+@contextlib.contextmanager
+def running_servers(log_dir: Path, *configs: tuple[str, list[str], int | None]) -> Iterator[tuple[Server, ...]]:
+    """Start one server per ``(name, extra args, port or None for a free one)``, all at once; wait
+    until all are ready within one ``STARTUP_TIMEOUT_S`` deadline; yield them; stop them all."""
+    servers: list[Server] = []
+    try:
+        for name, extra, port in configs:
+            servers.append(Server(name, extra, log_dir, port=port))
+        deadline = time.time() + STARTUP_TIMEOUT_S
+        for server in servers:
+            server.wait_ready(deadline)
+        yield tuple(servers)
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("servers")
     # A small snapshot budget (about 8 micro snapshots) so the LRU evicts during the module.
-    on = Server("cache_on", ["--enable-metrics", "--dsv4-snapshot-budget-mb", "2"], log_dir)
-    off = Server("cache_off", ["--disable-radix-cache"], log_dir)
-    try:
-        deadline = time.time() + STARTUP_TIMEOUT_S
-        on.wait_ready(deadline)
-        off.wait_ready(deadline)
-        yield on, off
-    finally:
-        on.stop()
-        off.stop()
+    with running_servers(tmp_path_factory.mktemp("servers"),
+                         ("cache_on", ["--enable-metrics", "--dsv4-snapshot-budget-mb", "2"], None),
+                         ("cache_off", ["--disable-radix-cache"], None)) as started:
+        yield started
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

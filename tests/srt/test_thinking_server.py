@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import requests
 
 from sglang_dsv4.srt.thinking import count_think_tokens
 from sglang_dsv4.tokenizer_files import THINK_END_ID, THINK_START_ID
-from test_server_e2e import STARTUP_TIMEOUT_S, Server
+from test_server_e2e import Server, running_servers
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -33,17 +32,10 @@ PARSER = ["--reasoning-parser", "deepseek-v4", "--enable-cache-report"]
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("thinking_servers")
-    ours = Server("ours", PARSER, log_dir, port=PORT_BASE)
-    upstream = Server("upstream_strict", PARSER + ["--enable-strict-thinking"], log_dir, port=PORT_BASE + 1)
-    try:
-        deadline = time.time() + STARTUP_TIMEOUT_S
-        ours.wait_ready(deadline)
-        upstream.wait_ready(deadline)
-        yield ours, upstream
-    finally:
-        ours.stop()
-        upstream.stop()
+    with running_servers(tmp_path_factory.mktemp("thinking_servers"),
+                         ("ours", PARSER, PORT_BASE),
+                         ("upstream_strict", PARSER + ["--enable-strict-thinking"], PORT_BASE + 1)) as started:
+        yield started
 
 
 def chat_body(budget: int | None, *, schema: bool = True, messages=None, **extra) -> dict:
