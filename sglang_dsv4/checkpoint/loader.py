@@ -12,7 +12,7 @@ import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -184,33 +184,58 @@ def _describe(root: Path, problems: list[str]) -> str:
     return "\n".join(lines)
 
 
-def logical_from_stored(cfg: V4Config, stored: dict[str, torch.Tensor],
+def logical_from_stored(cfg: V4Config, stored: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                         dtype: torch.dtype | Callable[[str], torch.dtype] = torch.float32,
                         device: torch.device | str | None = None,
                         shard: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
                         ) -> dict[str, torch.Tensor]:
-    """Stored checkpoint tensors (as a model loader streams them) -> logical tensors by schema name.
+    """Stored checkpoint tensors, as a model loader streams them ((name, tensor) pairs or a dict)
+    -> logical tensors by schema name.
 
-    ``dtype`` is one dtype or a function of the logical name (e.g. ``core.model.weight_dtypes``);
-    ``shard(name, tensor)`` (e.g. ``core.parallel.tensor_sharder``) keeps a rank's part of each
-    tensor (None: none of it); with ``device`` each kept tensor moves there as soon as it is
-    dequantised, so the host never holds more than one dequantised tensor. Checks every name,
-    shape and dtype first; raises CheckpointError listing the problems.
+    Streaming: a logical tensor is built as soon as its stored parts (weight, and scale for
+    fp8/fp4) have arrived, and the parts are dropped, so the host holds only the parts still
+    waiting for their partner plus one dequantised tensor. ``dtype`` is one dtype or a function of
+    the logical name (e.g. ``core.model.weight_dtypes``); ``shard(name, tensor)`` (e.g.
+    ``core.parallel.tensor_sharder``) keeps a rank's part of each tensor (None: none of it); with
+    ``device`` each kept tensor moves there at once. Raises CheckpointError listing every missing
+    or misshapen stored tensor (after the stream ends).
     """
-    def found(name: str):
-        t = stored.get(name)
-        return "not among the streamed weights" if t is None else (tuple(t.shape), t.dtype, "")
-
-    problems = [p for spec in checkpoint_tensors(cfg) for p in _spec_problems(spec, found)]
+    dtype_of = dtype if callable(dtype) else (lambda _name: dtype)
+    holds = getattr(shard, "holds", lambda _name: True)
+    specs = checkpoint_tensors(cfg)
+    spec_of = {part: spec for spec in specs for part in spec.stored_shapes()}
+    pending: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    done: set[str] = set()
+    for name, t in (stored.items() if isinstance(stored, Mapping) else stored):
+        spec = spec_of.get(name)
+        if spec is None:
+            continue  # not part of the model (e.g. tensors a newer checkpoint adds)
+        if not holds(spec.name):  # another rank's expert: never dequantised here
+            done.add(spec.name)
+            continue
+        pending[name] = t
+        parts = spec.stored_shapes()
+        if not all(part in pending for part in parts):
+            continue
+        found = {part: pending.pop(part) for part in parts}
+        done.add(spec.name)
+        bad = _spec_problems(spec, lambda n: (tuple(found[n].shape), found[n].dtype, ""))
+        if bad:
+            problems += bad
+            continue
+        logical = _dequantize(spec, found.__getitem__, dtype_of(spec.name))
+        del found
+        if shard is not None and (logical := shard(spec.name, logical)) is None:
+            continue
+        out[spec.name] = logical if device is None else logical.to(device)
+    for spec in specs:  # what never completed: name its missing parts (and check the others)
+        if spec.name not in done:
+            problems += _spec_problems(spec, lambda n: (tuple(pending[n].shape), pending[n].dtype, "")
+                                       if n in pending else "not among the streamed weights")
     if problems:
         raise CheckpointError(_describe(Path("<streamed weights>"), problems))
-    dtype_of = dtype if callable(dtype) else (lambda _name: dtype)
-    out = {}
-    for spec in checkpoint_tensors(cfg):
-        t = _dequantize(spec, stored.__getitem__, dtype_of(spec.name))
-        if shard is not None and (t := shard(spec.name, t)) is None:
-            continue
-        out[spec.name] = t if device is None else t.to(device)
     return out
 
 

@@ -111,36 +111,47 @@ def shard_weights(cfg: V4Config, weights: dict[str, Tensor], tp_rank: int = 0, t
     return out
 
 
-def tensor_sharder(cfg: V4Config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
-                   ep_size: int = 1) -> Callable[[str, Tensor], Tensor | None]:
-    """``shard(name, full_tensor)`` -> this rank's part of one logical tensor, or None where the rank
-    holds none of it (another EP rank's expert). One tensor at a time, so a loader can shard while
-    it streams a checkpoint."""
-    cfg.validate_parallel(tp_size, ep_size)
-    if not (0 <= tp_rank < tp_size and 0 <= ep_rank < ep_size):
-        raise ValueError(f"rank out of range: tp {tp_rank} of {tp_size}, ep {ep_rank} of {ep_size}")
-    heads = _share(cfg.num_attention_heads, tp_rank, tp_size)
-    groups = _share(cfg.o_groups, tp_rank, tp_size)
-    experts = _share(cfg.n_routed_experts, ep_rank, ep_size)
-    Dh, R = cfg.head_dim, cfg.o_lora_rank
-    # slices are copied so that a rank does not keep the full tensors alive
-    rules = {
-        "attn.wq_b.weight": lambda t: t[heads.start * Dh:heads.stop * Dh].clone(),
-        "attn.attn_sink": lambda t: t[heads.start:heads.stop].clone(),
-        "attn.wo_a.weight": lambda t: t[groups.start * R:groups.stop * R].clone(),
-        "attn.wo_b.weight": lambda t: t[:, groups.start * R:groups.stop * R].contiguous(),
-    }
+class TensorSharder:
+    """``sharder(name, full_tensor)`` -> this rank's part of one logical tensor, or None where the
+    rank holds none of it (another EP rank's expert; ``holds(name)`` says so before any data is
+    read). One tensor at a time, so a loader can shard while it streams a checkpoint."""
 
-    def shard(name: str, t: Tensor) -> Tensor | None:
+    def __init__(self, cfg: V4Config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1):
+        cfg.validate_parallel(tp_size, ep_size)
+        if not (0 <= tp_rank < tp_size and 0 <= ep_rank < ep_size):
+            raise ValueError(f"rank out of range: tp {tp_rank} of {tp_size}, ep {ep_rank} of {ep_size}")
+        heads = _share(cfg.num_attention_heads, tp_rank, tp_size)
+        groups = _share(cfg.o_groups, tp_rank, tp_size)
+        self.experts = _share(cfg.n_routed_experts, ep_rank, ep_size)
+        Dh, R = cfg.head_dim, cfg.o_lora_rank
+        # slices are copied so that a rank does not keep the full tensors alive
+        self.rules: dict[str, Callable[[Tensor], Tensor]] = {} if tp_size == 1 else {
+            "attn.wq_b.weight": lambda t: t[heads.start * Dh:heads.stop * Dh].clone(),
+            "attn.attn_sink": lambda t: t[heads.start:heads.stop].clone(),
+            "attn.wo_a.weight": lambda t: t[groups.start * R:groups.stop * R].clone(),
+            "attn.wo_b.weight": lambda t: t[:, groups.start * R:groups.stop * R].contiguous(),
+        }
+
+    @staticmethod
+    def _local(name: str) -> str:
         m = _LAYER.match(name)
-        local = m.group(1) if m else ""
-        e = _EXPERT.match(local)
-        if e and int(e.group(1)) not in experts:
+        return m.group(1) if m else ""
+
+    def holds(self, name: str) -> bool:
+        e = _EXPERT.match(self._local(name))
+        return e is None or int(e.group(1)) in self.experts
+
+    def __call__(self, name: str, t: Tensor) -> Tensor | None:
+        if not self.holds(name):
             return None
-        rule = rules.get(local) if tp_size > 1 else None
+        rule = self.rules.get(self._local(name))
         return rule(t) if rule else t
 
-    return shard
+
+def tensor_sharder(cfg: V4Config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
+                   ep_size: int = 1) -> TensorSharder:
+    """This rank's ``TensorSharder`` (checks the split and the ranks)."""
+    return TensorSharder(cfg, tp_rank, tp_size, ep_rank, ep_size)
 
 
 def shard_model(model: V4Model, par: ModelParallel) -> V4Model:

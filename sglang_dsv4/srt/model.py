@@ -43,13 +43,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors as stored (fp8 + scales, packed fp4, ...) -> this rank's core weights."""
-        stored = {name: t for name, t in weights}
         # GEMMs in SGLang's --dtype (bf16 on GPU; the CPU launcher picks float32), activations fp32
         matmul_dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
         par = self._model_parallel()
         shard = None if par is None else tensor_sharder(self.v4, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size)
-        tensors = logical_from_stored(self.v4, stored, weight_dtypes(matmul_dtype), device=device, shard=shard)
-        del stored
+        # streamed: each tensor is dequantised, sharded and moved as soon as its parts arrived
+        tensors = logical_from_stored(self.v4, weights, weight_dtypes(matmul_dtype), device=device, shard=shard)
         # SGLang's vocab-parallel head takes this rank's rows; its logits processor gathers them
         self.lm_head.weight_loader(self.lm_head.weight, tensors["head.weight"])
         if par is None:

@@ -256,3 +256,23 @@ def test_streamed_weights_as_sglang_passes_them(micro: tuple[Path, dict]) -> Non
         logical_from_stored(cfg, broken)
     assert "missing tensor layers.1.attn.wq_a.weight (expected shape [32, 64] float8_e4m3fn" in str(e.value)
     assert "tensor layers.2.attn.wkv.scale: expected shape [1, 1] float8_e8m0fnu, got [0, 1]" in str(e.value)
+
+
+def test_streamed_weights_are_sharded_one_tensor_at_a_time(micro: tuple[Path, dict]) -> None:
+    """A rank of TP=2 x EP=2 streaming the stored tensors in any order (scales before weights
+    here) gets exactly ``shard_weights`` of the whole model; other ranks' experts never load."""
+    from sglang_dsv4.checkpoint.loader import logical_from_stored
+    from sglang_dsv4.config import V4Config
+    from sglang_dsv4.core.parallel import shard_weights, tensor_sharder
+
+    ckpt, _ = micro
+    stored = {}
+    for fname in sorted(set(_weight_map(ckpt).values())):
+        stored.update(load_file(str(ckpt / fname)))
+    cfg = V4Config.from_json(ckpt)
+    sharder = tensor_sharder(cfg, tp_rank=1, tp_size=2, ep_rank=1, ep_size=2)
+    streamed = logical_from_stored(cfg, reversed(list(stored.items())), shard=sharder)
+    expected = shard_weights(cfg, load_checkpoint(ckpt).tensors, 1, 2, 1, 2)
+    assert streamed.keys() == expected.keys()
+    assert all(torch.equal(streamed[k], expected[k]) for k in expected)
+    assert not any(k.startswith("layers.0.ffn.experts.0.") for k in streamed)
