@@ -60,9 +60,13 @@ def register() -> None:
 
 def _register_model_override() -> None:
     """Replace upstream's V4 server-arg overrides (dsv4 backend, page 256, SWA ratio) with ours:
-    an ordinary full-attention pool of page size 1 (token-granular prefix matches), and no overlap
+    an ordinary full-attention pool of page size 1 (token-granular prefix matches); no overlap
     scheduling (it runs a request's next decode step before its finish is published, so the
-    state at the finish point, the next turn's resume point, would be gone when it is wanted)."""
+    state at the finish point, the next turn's resume point, would be gone when it is wanted);
+    and SGLang's attention backend set to torch_native: our model runs its own attention (FlashMLA
+    or torch, ``kernels/``), so SGLang's backend is never called, and torch_native allocates no
+    workspace and turns CUDA graph capture off (our cache's per-request work is host-side Python
+    that a graph cannot replay)."""
     import sglang.srt.arg_groups.overrides  # noqa: F401  (registers upstream's overrides first)
     from sglang.srt.arg_groups.model_override_base import _MODEL_OVERRIDE_FNS, register_model_override
 
@@ -70,7 +74,8 @@ def _register_model_override() -> None:
 
     @register_model_override(ARCH)
     def _dsv4_overrides(server_args, hf_config) -> dict:
-        return {"disable_hybrid_swa_memory": True, "page_size": 1, "disable_overlap_schedule": True}
+        return {"disable_hybrid_swa_memory": True, "page_size": 1, "disable_overlap_schedule": True,
+                "attention_backend": "torch_native"}
 
 
 def _skip_v4_defaults(original, server_args, model_arch, *args, **kwargs):
