@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One device call: serve a tiny V4 checkpoint through SGLang on the GPU, query it, stop it.
+#
+#   run(command="bash scripts/gpu_server_check.sh", carry=[".whl", ".srt-site"])   # $OUT comes back
+#
+# The device has no package registry. .srt-site/site.tar.xz (built by .srt-site/build.sh, ~27 MB)
+# holds sglang 0.5.23 and the packages the image lacks; it is unpacked to /tmp/srt-site. sgl-kernel
+# and flashinfer are not carried: the pure-torch sgl_kernel stand-in (sglang_dsv4/srt/cpu_shim) takes
+# their place, so the server runs with torch-native attention/sampling and no CUDA graphs; our model
+# does its own attention (FlashMLA, from .whl). Without CUDA (a local dry run) it serves on the CPU.
+# Exit status: 0 when the server came up and every check below passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; PORT=${PORT:-30000}; MODEL=${MODEL:-/tmp/tiny}; SITE=/tmp/srt-site
+mkdir -p "$OUT" "$SITE"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -c "import tarfile; tarfile.open('.srt-site/site.tar.xz').extractall('$SITE', filter='data')" || exit 1
+# Our plugin's entry point (group sglang.srt.plugins), as pip would install it from pyproject.toml.
+python3 - "$SITE" <<'EOF' || exit 1
+import pathlib, sys, tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+d = pathlib.Path(sys.argv[1], f"sglang_dsv4-{p['version']}.dist-info"); d.mkdir(exist_ok=True)
+(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang-dsv4\nVersion: {p['version']}\n")
+(d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
+                                            for g, eps in p["entry-points"].items()))
+EOF
+export PYTHONPATH=/tmp/site:$SITE:$PWD/sglang_dsv4/srt/cpu_shim:$PWD
+# No sglang-kernel distribution here (the stand-in has none); the device cannot reach the HF Hub.
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+EXTRA=()
+if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  export SGLANG_USE_CPU_ENGINE=1   # local dry run: patches/cpu-launcher.md
+  EXTRA=(--device cpu --dtype float32 --max-total-tokens 65536 --disable-overlap-schedule)
+fi
+python3 -c "import sys, torch, transformers, sglang; print('python', sys.version.split()[0], '| torch', torch.__version__,
+  '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__, '| sglang', sglang.__version__)"
+[ -f "$MODEL/config.json" ] || python3 -m sglang_dsv4.tiny --preset tiny --seed 0 --out "$MODEL" || exit 1
+
+python3 -m sglang.launch_server --model-path "$MODEL" --port "$PORT" --attention-backend torch_native \
+  --sampling-backend pytorch --disable-cuda-graph --mem-fraction-static 0.5 "${EXTRA[@]}" >"$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+healthy() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2>/dev/null; }
+for _ in $(seq 300); do
+  healthy && break
+  kill -0 $SERVER 2>/dev/null || { echo "server exited; log tail:"; tail -40 "$OUT/server.log"; exit 1; }
+  sleep 1
+done
+healthy || { echo "no /health after 300 s"; tail -40 "$OUT/server.log"; exit 1; }
+echo "--- server up"
+grep -E "Executed general plugin|sglang_dsv4|attention backend|Tree cache" "$OUT/server.log" | cut -c1-300
+
+python3 - "$PORT" "$MODEL" <<'EOF'
+import json, sys, urllib.request
+from tokenizers import Tokenizer
+port, model = sys.argv[1:]
+
+def post(path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=300))
+
+def generate(ids):
+    r = post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    m = r["meta_info"]
+    print(f"  prompt_tokens={m['prompt_tokens']} cached_tokens={m['cached_tokens']} "
+          f"e2e={m['e2e_latency']:.3f}s text={r['text']!r}")
+    return r
+
+ids = Tokenizer.from_file(f"{model}/tokenizer.json").encode(
+    "The quick brown fox jumps over the lazy dog. " * 8).ids
+print("/generate, same prompt twice (greedy):")
+a, b = generate(ids), generate(ids)
+print("/generate, next turn: the prompt + the first answer (resumes at its finish point):")
+c = generate(ids + a["output_ids"])
+print("/v1/chat/completions:")
+r = post("/v1/chat/completions", {"model": "default", "max_tokens": 16, "temperature": 0,
+                                  "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
+print("  ", json.dumps(r["choices"][0]["message"], ensure_ascii=False), r["usage"])
+checks = {"greedy repeat gives the same tokens": a["output_ids"] == b["output_ids"],
+          "next turn hits the cache (cached_tokens > 0)": c["meta_info"]["cached_tokens"] > 0,
+          "chat completion has content": bool(r["choices"][0]["message"].get("content"))}
+for name, ok in checks.items():
+    print(("PASS " if ok else "FAIL ") + name)
+sys.exit(0 if all(checks.values()) else 1)
+EOF
+rc=$?
+echo "--- server log: $OUT/server.log; exit status $rc"
+exit $rc
