@@ -149,6 +149,11 @@ class SglangV4Cache:
         gen, positions = self.pending_forks.get(row, (None, []))
         return sorted(p for p in positions if gen == generation and start < p <= end)
 
+    def _slots(self, row: int, positions: Tensor) -> Tensor:
+        """Token slots of ``positions`` in request row ``row``, as int64 on the host (where the
+        side tables live; SGLang keeps ``req_to_token`` on the model's device)."""
+        return self.req_to_token[row, positions.to(self.req_to_token.device)].long().cpu()
+
     # ---- what V4Model asks of a cache ----------------------------------------------------
     def check_length(self, req: RequestState, num_new: int) -> None:
         end = req.num_tokens + num_new
@@ -161,7 +166,7 @@ class SglangV4Cache:
         for req, n in zip(reqs, num_new):
             for r, pool in self.pools.items():
                 first, last = req.num_tokens // r, (req.num_tokens + n) // r
-                slots = self.req_to_token[req.slot, torch.arange(first, last) * r + r - 1].long()
+                slots = self._slots(req.slot, torch.arange(first, last) * r + r - 1)
                 old = self.entry_of_slot[r][slots]
                 pool.free(old[old >= 0])  # a slot written again (recompute) drops its old entry
                 rows = pool.alloc(last - first)
@@ -170,7 +175,7 @@ class SglangV4Cache:
         return out
 
     def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
-        slots = self.req_to_token[req.slot, torch.arange(num_entries) * ratio + ratio - 1].long()
+        slots = self._slots(req.slot, torch.arange(num_entries) * ratio + ratio - 1)
         rows = self.entry_of_slot[ratio][slots]
         if num_entries and bool((rows < 0).any()):
             j = int(torch.nonzero(rows < 0)[0])

@@ -4,7 +4,9 @@ SGLang's scheduler imports ``sgl_kernel`` at module import time when it runs on 
 plugin can act), and the PyPI ``sglang-kernel`` wheel fails to load without ``libcuda.so.1``.
 ``sglang_dsv4.launch_server`` puts this directory first on ``PYTHONPATH`` only when CUDA is absent.
 It implements the CPU helpers SGLang 0.5.23 calls on that path; any other name imports but raises
-when called.
+when called. ``scripts/gpu_server_check.sh`` uses it on the GPU machine too (which cannot install the
+sglang-kernel wheel): SGLang's CUDA path also imports from the submodules ``quantization``,
+``kvcacheio`` and ``utils``, which resolve names the same way.
 """
 
 from __future__ import annotations
