@@ -3,7 +3,7 @@
 #
 #   run(command="bash scripts/gpu_server_check.sh", carry=[".whl", ".srt-site"])   # $OUT comes back
 #
-# The device has no package registry. .srt-site/site.tar.xz (built by .srt-site/build.sh, ~27 MB)
+# The device has no package registry. .srt-site/site.tar.xz (built by scripts/build_srt_site.sh, ~27 MB)
 # holds sglang 0.5.23 and the packages the image lacks; it is unpacked to /tmp/srt-site. sgl-kernel
 # and flashinfer are not carried: the pure-torch sgl_kernel stand-in (sglang_dsv4/srt/cpu_shim) takes
 # their place, so the server runs with torch-native attention/sampling and no CUDA graphs; our model
