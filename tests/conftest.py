@@ -33,3 +33,18 @@ def micro(micro_dir):
 
     ckpt = load_checkpoint(micro_dir)
     return ckpt.config, ckpt.tensors
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """(config, dequantised float32 weights) of the tiny checkpoint (FlashMLA's attention shape,
+    seed 0), written once per test session (the GPU tests use it)."""
+    from sglang_dsv4.checkpoint import load_checkpoint
+    from sglang_dsv4.checkpoint.writer import write_checkpoint
+    from sglang_dsv4.tiny import preset_config, random_weights
+
+    cfg = preset_config("tiny")
+    path = tmp_path_factory.mktemp("tiny") / "ckpt"
+    write_checkpoint(cfg, random_weights(cfg, 0), path)
+    ckpt = load_checkpoint(path)
+    return ckpt.config, ckpt.tensors

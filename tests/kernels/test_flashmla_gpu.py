@@ -24,15 +24,13 @@ import os
 import pytest
 import torch
 
-from sglang_dsv4.checkpoint import load_checkpoint
-from sglang_dsv4.checkpoint.writer import write_checkpoint
 from sglang_dsv4.core.cache import V4Cache
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.oracle import OracleModel
 from sglang_dsv4.kernels.dispatch import BackendUnavailable, select_backend
 from sglang_dsv4.kernels.kv_layout import V4Fp8Rows
 from sglang_dsv4.kernels.torch_ref import TorchSparseKernels
-from sglang_dsv4.tiny import preset_config, random_weights
+from sglang_dsv4.tiny import preset_config
 
 pytestmark = pytest.mark.gpu
 REF = TorchSparseKernels()
@@ -162,15 +160,6 @@ def test_auto_selection_on_this_gpu():
 
 
 # ---- the tiny model ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg = preset_config("tiny")
-    path = tmp_path_factory.mktemp("tiny") / "ckpt"
-    write_checkpoint(cfg, random_weights(cfg, 0), path)
-    ckpt = load_checkpoint(path)
-    return ckpt.config, ckpt.tensors
-
 
 def random_ids(n: int, seed: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))

@@ -11,13 +11,10 @@ import time
 import pytest
 import torch
 
-from sglang_dsv4.checkpoint import load_checkpoint
-from sglang_dsv4.checkpoint.writer import write_checkpoint
 from sglang_dsv4.core.cache import V4Cache
 from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.core.oracle import OracleModel
 from sglang_dsv4.srt.state import SglangV4Cache
-from sglang_dsv4.tiny import preset_config, random_weights
 
 pytestmark = pytest.mark.gpu
 ROWS, SLOTS, MAX_LEN = 4, 8192, 2048
@@ -29,15 +26,6 @@ def report(name: str, **values) -> None:
     if os.environ.get("DSV4_GPU_REPORT"):
         with open(os.environ["DSV4_GPU_REPORT"], "a") as f:
             f.write(line + "\n")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg = preset_config("tiny")
-    path = tmp_path_factory.mktemp("tiny") / "ckpt"
-    write_checkpoint(cfg, random_weights(cfg, 0), path)
-    ckpt = load_checkpoint(path)
-    return ckpt.config, ckpt.tensors
 
 
 def _cache(cfg, backend: str = "flashmla") -> SglangV4Cache:
