@@ -30,6 +30,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 from ..tokenizer_files import EOS_TOKEN_ID, THINK_END_ID, THINK_START_ID
 
+THINK_START_TEXT, THINK_END_TEXT = "<think>", "</think>"
+
 # Marker key inside our structural tags (xgrammar ignores unknown keys): the scheduler side
 # recognises our grammars by it and reads the tokens to keep out of the answer.
 TAG_KEY = "dsv4_thinking"
@@ -148,6 +150,19 @@ def open_think_length(input_ids: Sequence[int]) -> Optional[int]:
         if input_ids[i] == THINK_START_ID:
             return len(input_ids) - 1 - i
     return None
+
+
+def text_opens_think(text: str) -> bool:
+    """Whether a text prompt ends inside a think section (its last think marker is ``<think>``;
+    SGLang tokenizes the markers in a prompt text as the special tokens)."""
+    return text.rfind(THINK_START_TEXT) > text.rfind(THINK_END_TEXT)
+
+
+def not_inside_think_error(budget: int) -> ThinkingRequestError:
+    return ThinkingRequestError(
+        f"thinking budget {budget} given, but the prompt does not end inside a think section "
+        "(its last think token must be <think>); turn thinking on "
+        "(chat_template_kwargs.thinking) or end the prompt in <think>")
 
 
 def effective_budget(budget: Optional[int], already: int, max_new_tokens: Optional[int],

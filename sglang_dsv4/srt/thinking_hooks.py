@@ -32,9 +32,11 @@ from .thinking import (
     answer_format,
     build_structural_tag,
     effective_budget,
+    not_inside_think_error,
     open_think_length,
     parse_budget,
     resolve_chat_thinking,
+    text_opens_think,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,12 +119,25 @@ def generate_contract_error(result: Optional[str], body: Any, *args, **kwargs) -
     if not isinstance(body, dict) or _strict_thinking():
         return result
     try:
-        for field, value in _budget_fields(body):
-            if value is not None:
-                parse_budget(value, field)
+        budgets = [parse_budget(value, field) for field, value in _budget_fields(body) if value is not None]
+        if any(budgets):  # checked here too so that a streamed request gets its 400 before the stream
+            _check_prompt_opens_think(body, max(budgets))
     except ThinkingRequestError as e:
         return str(e)
     return result
+
+
+def _check_prompt_opens_think(body: dict, budget: int) -> None:
+    """A budget needs a prompt that ends inside a think section (ids or text; batches each)."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if isinstance(ids, list) and ids:
+        for one in ids if isinstance(ids[0], list) else [ids]:
+            if all(isinstance(t, int) for t in one) and open_think_length(one) is None:
+                raise not_inside_think_error(budget)
+    elif text is not None:
+        for one in text if isinstance(text, list) else [text]:
+            if isinstance(one, str) and not text_opens_think(one):
+                raise not_inside_think_error(budget)
 
 
 def after_normalize(result, obj, *args, **kwargs):
@@ -177,10 +192,7 @@ def thinking_sampling_params(params: dict, input_ids: list[int], tokenizer, serv
     constrained = any(params.get(k) is not None for k in ("json_schema", "regex", "ebnf"))
     if already is None:
         if explicit and budget:
-            raise ThinkingRequestError(
-                f"thinking budget {budget} given, but the prompt does not end inside a think section "
-                "(its last think token must be <think>); turn thinking on "
-                "(chat_template_kwargs.thinking) or end the prompt in <think>")
+            raise not_inside_think_error(budget)
         return _without_marker(params, custom, chat)
     if not explicit:
         budget = settings().default_budget

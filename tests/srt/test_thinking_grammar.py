@@ -122,6 +122,8 @@ def test_open_think_length_and_effective_budget():
     assert th.open_think_length([0, THINK_START_ID, 7, 8, 9]) == 3
     assert th.open_think_length([0, THINK_START_ID, 7, THINK_END_ID, 4]) is None
     assert th.open_think_length([0, 5, 6]) is None
+    assert th.text_opens_think("q<think>") and th.text_opens_think("<think>a</think>b<think>c")
+    assert not th.text_opens_think("<think>a</think>b") and not th.text_opens_think("plain")
     assert th.effective_budget(64, 0, 128, 0.25) == 64
     assert th.effective_budget(400, 0, 128, 0.25) == 128 - 1 - 32
     assert th.effective_budget(400, 0, 144, 0.5) == 71

@@ -155,6 +155,11 @@ def test_later_turn_hits_the_cache_and_resumes_exactly(servers):
      "thinking_budget must be a non-negative integer"),
     ("generate", {"input_ids": [0, 5, 6], "max_thinking_tokens": 4, "sampling_params": {"max_new_tokens": 4}},
      "does not end inside a think section"),
+    ("generate", {"input_ids": [0, 5, 6], "stream": True,  # a 400, not an error event in the stream
+                  "sampling_params": {"max_new_tokens": 4, "custom_params": {"thinking_budget": 4}}},
+     "does not end inside a think section"),
+    ("generate", {"text": "<think>a</think> answer", "max_thinking_tokens": 4, "stream": True,
+                  "sampling_params": {"max_new_tokens": 4}}, "does not end inside a think section"),
 ])
 def test_bad_input_is_http_400_naming_the_field(servers, path, body, fragment):
     ours, _ = servers
