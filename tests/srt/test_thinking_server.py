@@ -19,7 +19,8 @@ from test_server_e2e import Server, running_servers
 
 jsonschema = pytest.importorskip("jsonschema")
 
-PORT_BASE = int(os.environ.get("SGLANG_DSV4_TEST_PORT_BASE", "31610"))
+# fixed ports only when asked for; by default free ones, so concurrent test runs never share a server
+PORT_BASE = int(os.environ["SGLANG_DSV4_TEST_PORT_BASE"]) if "SGLANG_DSV4_TEST_PORT_BASE" in os.environ else None
 MAX_TOKENS = 144
 # A budget that would crowd out the answer is cut so that ceil(0.5 * 144) = 72 tokens remain for
 # </think> + answer: a budget of 200 (> max_tokens) thinks at most 71 tokens, 64 is untouched.
@@ -34,7 +35,8 @@ PARSER = ["--reasoning-parser", "deepseek-v4", "--enable-cache-report"]
 def servers(tmp_path_factory):
     with running_servers(tmp_path_factory.mktemp("thinking_servers"),
                          ("ours", PARSER, PORT_BASE),
-                         ("upstream_strict", PARSER + ["--enable-strict-thinking"], PORT_BASE + 1)) as started:
+                         ("upstream_strict", PARSER + ["--enable-strict-thinking"],
+                          None if PORT_BASE is None else PORT_BASE + 1)) as started:
         yield started
 
 
