@@ -196,7 +196,7 @@ def logical_from_stored(cfg: V4Config, stored: Mapping[str, torch.Tensor] | Iter
     fp8/fp4) have arrived, and the parts are dropped, so the host holds only the parts still
     waiting for their partner plus one dequantised tensor. ``dtype`` is one dtype or a function of
     the logical name (e.g. ``core.model.weight_dtypes``); ``shard(name, tensor)`` (e.g.
-    ``core.parallel.tensor_sharder``) keeps a rank's part of each tensor (None: none of it); with
+    ``core.parallel.TensorSharder``) keeps a rank's part of each tensor (None: none of it); with
     ``device`` each kept tensor moves there at once. Raises CheckpointError listing every missing
     or misshapen stored tensor (after the stream ends).
     """
@@ -226,7 +226,7 @@ def logical_from_stored(cfg: V4Config, stored: Mapping[str, torch.Tensor] | Iter
             problems += bad
             continue
         logical = _dequantize(spec, found.__getitem__, dtype_of(spec.name))
-        del found
+        found.clear()  # the stored parts are not needed past this point
         if shard is not None and (logical := shard(spec.name, logical)) is None:
             continue
         out[spec.name] = logical if device is None else logical.to(device)

@@ -90,13 +90,6 @@ def reset_slot_state(slot_state: dict[str, Tensor], slot: int) -> None:
     c128[:, 1:].zero_()              # running sum, weighted sum
 
 
-def entry_dims(cfg: V4Config) -> dict[int, dict[str, int]]:
-    """Names and widths of the compressed-entry tensors per ratio (one per layer and kind)."""
-    return {4: {**{f"main{l}": cfg.head_dim for l in cfg.c4_layers},
-                **{f"index{l}": cfg.index_head_dim for l in cfg.c4_layers}},
-            128: {f"main{l}": cfg.head_dim for l in cfg.c128_layers}}
-
-
 class V4Cache:
     """Owns all KV storage of the incremental model for up to ``max_requests`` running requests.
 

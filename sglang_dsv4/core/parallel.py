@@ -102,7 +102,7 @@ def shard_weights(cfg: V4Config, weights: dict[str, Tensor], tp_rank: int = 0, t
                   ep_rank: int = 0, ep_size: int = 1) -> dict[str, Tensor]:
     """One rank's tensors of the full (logical) ``weights``: attention tensors sliced to its heads
     and output groups, other EP ranks' routed experts dropped, the rest shared with ``weights``."""
-    shard = tensor_sharder(cfg, tp_rank, tp_size, ep_rank, ep_size)
+    shard = TensorSharder(cfg, tp_rank, tp_size, ep_rank, ep_size)
     out = {}
     for name, t in weights.items():
         local = shard(name, t)
@@ -146,12 +146,6 @@ class TensorSharder:
             return None
         rule = self.rules.get(self._local(name))
         return rule(t) if rule else t
-
-
-def tensor_sharder(cfg: V4Config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
-                   ep_size: int = 1) -> TensorSharder:
-    """This rank's ``TensorSharder`` (checks the split and the ranks)."""
-    return TensorSharder(cfg, tp_rank, tp_size, ep_rank, ep_size)
 
 
 def shard_model(model: V4Model, par: ModelParallel) -> V4Model:

@@ -17,7 +17,7 @@ from torch import nn
 from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
 from ..core.model import V4Model, weight_dtypes
-from ..core.parallel import ModelParallel, tensor_sharder
+from ..core.parallel import ModelParallel, TensorSharder
 from .pool_sizing import SNAPSHOT_BUDGET_KEY, cache_backend
 from .state import SglangV4Cache
 
@@ -46,7 +46,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         # GEMMs in SGLang's --dtype (bf16 on GPU; the CPU launcher picks float32), activations fp32
         matmul_dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
         par = self._model_parallel()
-        shard = None if par is None else tensor_sharder(self.v4, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size)
+        shard = None if par is None else TensorSharder(self.v4, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size)
         # streamed: each tensor is dequantised, sharded and moved as soon as its parts arrived
         tensors = logical_from_stored(self.v4, weights, weight_dtypes(matmul_dtype), device=device, shard=shard)
         # SGLang's vocab-parallel head takes this rank's rows; its logits processor gathers them
@@ -128,7 +128,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                                    device=device, backend=cache_backend(self.v4, self.config, device))
         self.cache.req_to_token = req_to_token_pool.req_to_token
         self.req_generation = req_to_token_pool.req_generation  # bumped when a row changes hands
-        per_req = sum(v[0].numel() * v.element_size() for v in self.cache.slot_state.values())
+        per_req = self.cache.snapshot_bytes_each  # a request row's state = what a snapshot copies
         entry_bytes = {r: int(p.capacity * p.row_bytes) for r, p in self.cache.pools.items()}
         if enable_metrics:
             from .metrics import V4CacheMetrics

@@ -263,14 +263,14 @@ def test_streamed_weights_are_sharded_one_tensor_at_a_time(micro: tuple[Path, di
     here) gets exactly ``shard_weights`` of the whole model; other ranks' experts never load."""
     from sglang_dsv4.checkpoint.loader import logical_from_stored
     from sglang_dsv4.config import V4Config
-    from sglang_dsv4.core.parallel import shard_weights, tensor_sharder
+    from sglang_dsv4.core.parallel import TensorSharder, shard_weights
 
     ckpt, _ = micro
     stored = {}
     for fname in sorted(set(_weight_map(ckpt).values())):
         stored.update(load_file(str(ckpt / fname)))
     cfg = V4Config.from_json(ckpt)
-    sharder = tensor_sharder(cfg, tp_rank=1, tp_size=2, ep_rank=1, ep_size=2)
+    sharder = TensorSharder(cfg, tp_rank=1, tp_size=2, ep_rank=1, ep_size=2)
     streamed = logical_from_stored(cfg, reversed(list(stored.items())), shard=sharder)
     expected = shard_weights(cfg, load_checkpoint(ckpt).tensors, 1, 2, 1, 2)
     assert streamed.keys() == expected.keys()
