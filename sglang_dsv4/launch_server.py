@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from .srt.pool_sizing import ATTENTION_BACKEND_KEY, SNAPSHOT_BUDGET_KEY
+
 TINY_PRESETS = ("micro", "tiny")
 # SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
 CPU_DEFAULTS: dict[str, object] = {
@@ -112,8 +114,8 @@ def _attention_backend(flag: str, value: str) -> str:
 
 # our flags -> (model config override key our model reads, value parser)
 DSV4_FLAGS = {
-    "--dsv4-snapshot-budget-mb": ("dsv4_snapshot_budget_mb", _budget_mb),
-    "--dsv4-attention-backend": ("dsv4_attention_backend", _attention_backend),
+    "--dsv4-snapshot-budget-mb": (SNAPSHOT_BUDGET_KEY, _budget_mb),
+    "--dsv4-attention-backend": (ATTENTION_BACKEND_KEY, _attention_backend),
 }
 
 
