@@ -52,6 +52,9 @@ def register() -> None:
     from . import thinking_hooks
 
     thinking_hooks.register(HookRegistry, HookType)  # the think budget (patches/thinking-budget.md)
+    from . import request_validation
+
+    request_validation.register(HookRegistry, HookType)  # bad prompts -> 400 (patches/request-validation.md)
     _register_model_class()
     _register_radix_backend()
 
