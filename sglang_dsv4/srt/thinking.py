@@ -1,23 +1,27 @@
-"""Grammar-bounded Think mode: request fields -> an xgrammar structural tag that bounds thinking.
+"""Grammar-bounded Think mode: request fields -> a ``ThinkBound`` the scheduler's grammar enforces.
 
 DeepSeek-V4 thinks between the special tokens ``<think>`` (128821) and ``</think>`` (128822).
 With thinking on, the V4 chat template ends the prompt in ``<｜Assistant｜><think>``, so the
-output starts inside the think section. A budget of N tokens becomes one structural tag that
-xgrammar enforces token by token:
+output starts inside the think section. A budget of N tokens becomes a bound that our own
+grammar object (``thinking_grammar``) enforces token by token:
 
     think   := any token except the specials, at most N, then the </think> TOKEN
-               (at exactly N - len(closing) tokens the closing text is forced, token by token)
+               (at exactly N - len(closing) tokens the closing text is forced, token by token;
+               a budget too short for the closing text forces </think> alone)
     answer  := the request's own constraint (JSON schema / regex / EBNF) or free text
 
-The ``</think>`` must be the token, not the string: the V4 specials decode to their literal text,
-so a string match would let ordinary tokens spell it and never force the real one. This module
-does not import SGLang (xgrammar only, to validate answer constraints): it is tested standalone
-with xgrammar's GrammarMatcher; the SGLang glue lives in ``thinking_hooks``.
+The think section is a counter and a precomputed mask, so its per-token cost does not depend on
+N (a grammar that counts N tokens in its states costs more the larger N is; see
+benchmarks/results/thinking_budget_cpu.md). The ``</think>`` must be the token, not the string:
+the V4 specials decode to their literal text, so a string match would let ordinary tokens spell
+it and never force the real one. This module does not import SGLang (xgrammar only, to validate
+answer constraints); the HTTP-side glue is ``thinking_http``, the scheduler side
+``thinking_grammar``.
 
 Request fields (validated here, errors name the field; see README "Thinking budget"):
 ``chat_template_kwargs.thinking`` (bool), ``thinking_budget`` / ``max_thinking_tokens`` /
 ``custom_params.thinking_budget`` (int >= 0), ``reasoning_effort`` (mapped by
-``effort_budgets()``).
+``ThinkingSettings.effort_budgets``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from ..tokenizer_files import EOS_TOKEN_ID, THINK_END_ID, THINK_START_ID
 
 THINK_START_TEXT, THINK_END_TEXT = "<think>", "</think>"
 
-# Marker key inside our structural tags (xgrammar ignores unknown keys): the scheduler side
-# recognises our grammars by it and reads the tokens to keep out of the answer.
+# Marker key of our grammar keys (they travel as sampling_params.structural_tag, the one grammar
+# field that carries arbitrary JSON to the scheduler, which recognises ours by this key).
 TAG_KEY = "dsv4_thinking"
 # The budget field names a request may use (all mean the same; giving two that differ is an error).
 BUDGET_FIELDS = ("thinking_budget", "max_thinking_tokens", "custom_params.thinking_budget")
@@ -180,12 +184,10 @@ def effective_budget(budget: Optional[int], already: int, max_new_tokens: Option
 
 
 def answer_format(*, json_schema: Optional[str] = None, regex: Optional[str] = None, ebnf: Optional[str] = None,
-                  max_whitespace: Optional[int] = DEFAULT_JSON_MAX_WHITESPACE,
-                  exclude_tokens: Sequence[int] = ()) -> dict:
-    """The structural-tag format of the answer after ``</think>``, validated (errors name the field).
-
-    Free text excludes ``exclude_tokens`` here; inside a JSON/regex/EBNF answer the scheduler-side
-    grammar masks them (xgrammar lets special tokens into JSON strings).
+                  max_whitespace: Optional[int] = DEFAULT_JSON_MAX_WHITESPACE) -> dict:
+    """The answer after ``</think>`` as a structural-tag-style format dict, validated (errors
+    name the field); ``{"type": "any_tokens"}`` is free text. Whatever the answer, the scheduler
+    side keeps ``ThinkBound.answer_exclude`` (every special but EOS) out of it.
     """
     import xgrammar as xgr
 
@@ -211,7 +213,7 @@ def answer_format(*, json_schema: Optional[str] = None, regex: Optional[str] = N
     except Exception as e:  # json, jsonschema and xgrammar parse errors alike
         field = {"json_schema": "response_format.json_schema", "regex": "regex", "ebnf": "ebnf"}[given[0]]
         raise ThinkingRequestError(f"invalid {field}: {e}") from None
-    return {"type": "any_tokens", "exclude_tokens": list(exclude_tokens)}
+    return {"type": "any_tokens"}
 
 
 def _check_json_schema(schema: Any) -> None:
@@ -223,48 +225,80 @@ def _check_json_schema(schema: Any) -> None:
     jsonschema.validators.validator_for(schema).check_schema(schema)
 
 
-def think_format(remaining: Optional[int], *, exclude_tokens: Sequence[int],
-                 closing_ids: Sequence[int] = ()) -> dict:
-    """The think section after ``<think>``: at most ``remaining`` tokens, then the ``</think>`` token.
+@dataclass(frozen=True)
+class ThinkBound:
+    """What the scheduler-side grammar enforces for one request (``thinking_grammar``).
 
-    With a closing text that fits (remaining > its length), the model may close early on its
-    own; at ``remaining - len(closing)`` tokens the closing tokens are forced, then ``</think>``,
-    so the section is never longer than ``remaining``.
+    ``remaining`` think tokens may still be spent (None: unbounded); when they run out,
+    ``closing_ids`` are forced token by token, then the ``</think>`` token, all within
+    ``remaining``. A closing text that does not fit (``remaining <= len(closing)``) is dropped
+    and ``</think>`` alone is forced at ``remaining``: a cut-off closing text would be noise.
+    ``think_exclude`` never appears while thinking, ``answer_exclude`` never in the answer;
+    ``answer`` is an ``answer_format()`` dict (JSON schema / regex / EBNF / free text).
     """
-    end = {"type": "token", "token": THINK_END_ID}
-    if remaining is None:
-        return {"type": "sequence", "elements": [{"type": "any_tokens", "exclude_tokens": list(exclude_tokens)}, end]}
-    if remaining == 0:
-        return end
-    if not closing_ids or remaining <= len(closing_ids):
-        return {"type": "sequence", "elements": [
-            {"type": "any_tokens", "exclude_tokens": list(exclude_tokens), "max_tokens": remaining}, end]}
-    free = remaining - len(closing_ids)
-    one = {"type": "exclude_token", "exclude_tokens": list(exclude_tokens)}
-    natural = {"type": "sequence", "elements": [{"type": "repeat", "min": 0, "max": free - 1, "content": one}, end]}
-    forced = {"type": "sequence", "elements": [{"type": "repeat", "min": free, "max": free, "content": one},
-                                               *({"type": "token", "token": t} for t in closing_ids), end]}
-    return {"type": "or", "elements": [natural, forced]}
 
+    remaining: Optional[int]
+    closing_ids: tuple[int, ...]
+    think_exclude: tuple[int, ...]
+    answer_exclude: tuple[int, ...]
+    answer: dict
 
-def build_structural_tag(remaining: Optional[int], answer: dict, *, special_ids: Iterable[int],
-                         closing_ids: Sequence[int] = ()) -> dict:
-    """The whole bound as one structural tag (think section, ``</think>``, answer).
+    @classmethod
+    def make(cls, remaining: Optional[int], answer: dict, *, special_ids: Iterable[int],
+             closing_ids: Sequence[int] = ()) -> "ThinkBound":
+        """The bound for a budget; ``special_ids`` are the tokenizer's special tokens."""
+        specials = set(special_ids) | {THINK_START_ID, THINK_END_ID, EOS_TOKEN_ID}
+        fits = remaining is None or remaining > len(closing_ids)
+        return cls(remaining=remaining, closing_ids=tuple(closing_ids) if fits else (),
+                   think_exclude=tuple(sorted(specials - {THINK_END_ID})),
+                   answer_exclude=tuple(answer_exclusions(specials)), answer=answer)
 
-    ``special_ids`` are the tokenizer's special tokens: none may appear while thinking, and in the
-    answer only EOS (where the answer's grammar ends). The ids travel under ``TAG_KEY`` for the
-    scheduler-side mask of the answer.
-    """
-    specials = sorted(set(special_ids) | {THINK_START_ID, THINK_END_ID, EOS_TOKEN_ID})
-    return {"type": "structural_tag",
-            "format": {"type": "sequence", "elements": [
-                think_format(remaining, exclude_tokens=specials, closing_ids=closing_ids), answer]},
-            TAG_KEY: {"think_end": THINK_END_ID, "answer_exclude": answer_exclusions(specials)}}
+    def forced(self, count: int) -> Optional[int]:
+        """The only token allowed after ``count`` think tokens, or None while thinking is free
+        (any token but ``think_exclude``, ``</think>`` included)."""
+        if self.remaining is None:
+            return None
+        free = self.remaining - len(self.closing_ids)
+        if count < free:
+            return None
+        i = count - free
+        return self.closing_ids[i] if i < len(self.closing_ids) else THINK_END_ID
+
+    def to_key(self) -> str:
+        """The grammar key (sent as ``sampling_params.structural_tag``; ``TAG_KEY`` marks it ours).
+        The exclusions stay out of it: the scheduler derives them from its own tokenizer, so the
+        key stays small (SGLang parses and hashes it per request)."""
+        return json.dumps({TAG_KEY: {"remaining": self.remaining, "closing": list(self.closing_ids),
+                                     "answer": self.answer}})
+
+    @classmethod
+    def from_key(cls, key: str, special_ids: Iterable[int]) -> Optional["ThinkBound"]:
+        """The bound in a grammar key (None when the key is not ours)."""
+        if TAG_KEY not in key:
+            return None
+        meta = json.loads(key).get(TAG_KEY)
+        if not isinstance(meta, dict):
+            return None
+        return cls.make(meta["remaining"], meta["answer"], special_ids=special_ids, closing_ids=meta["closing"])
 
 
 def answer_exclusions(special_ids: Iterable[int]) -> list[int]:
     """Tokens never allowed in the answer: every special token but EOS."""
     return sorted((set(special_ids) | {THINK_START_ID, THINK_END_ID}) - {EOS_TOKEN_ID})
+
+
+def special_token_ids(tokenizer) -> list[int]:
+    """Every special token of a HF tokenizer (V4: BOS, EOS, the role tokens, reserved ones; the
+    think tokens are added but not special, ``ThinkBound`` adds them)."""
+    key = id(tokenizer)
+    if key not in _SPECIAL_CACHE:
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        _SPECIAL_CACHE[key] = sorted({i for i, t in decoder.items() if getattr(t, "special", False)}
+                                     | set(getattr(tokenizer, "all_special_ids", []) or []))
+    return _SPECIAL_CACHE[key]
+
+
+_SPECIAL_CACHE: dict[int, list[int]] = {}  # per tokenizer object: 1.2k ids, read per request
 
 
 def count_think_tokens(output_ids: Sequence[int], already: int = 0) -> tuple[int, int]:
