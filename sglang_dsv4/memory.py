@@ -36,15 +36,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .config import FP8_QAT_BLOCK, ConfigError, V4Config
+from .core.slot_state import SlotStateLayout
 
 LAYOUTS = ("bf16", "fp8", "fp32")
 FP32_BYTES = 4
-# C4 compressor: overlapping groups (coff = 2) -> 2*d wide rows for kv and again for score; 8 rows
-# (the previous complete group + the current one).
-C4_STATE_ROWS = 8
-C4_COFF = 2
-# Online C128 accumulator: running max, running sum, running weighted sum, each head_dim floats.
-C128_ONLINE_VECTORS = 3
 
 
 @dataclass(frozen=True)
@@ -106,9 +101,15 @@ def cache_bytes(cfg: V4Config, layout: str) -> CacheBytes:
     c128_main = n128 * row / 128
 
     window_layer = cfg.sliding_window * row
-    c4_main_state = C4_STATE_ROWS * (2 * C4_COFF * cfg.head_dim) * FP32_BYTES
-    c4_idx_state = C4_STATE_ROWS * (2 * C4_COFF * cfg.index_head_dim) * FP32_BYTES
-    c128_state = C128_ONLINE_VECTORS * cfg.head_dim * FP32_BYTES
+    # the compressor state is what the cache allocates (core.slot_state), fp32 in every layout
+    shapes = SlotStateLayout.of(cfg).shapes()
+
+    def layer_bytes(*names: str) -> int:
+        return sum(math.prod(shapes[n][1:]) for n in names) * FP32_BYTES
+
+    c4_main_state = layer_bytes("c4_main_a", "c4_main_s")
+    c4_idx_state = layer_bytes("c4_index_a", "c4_index_s")
+    c128_state = layer_bytes("c128")
     state = n4 * (c4_main_state + c4_idx_state) + n128 * c128_state
     window = n_window * window_layer
 

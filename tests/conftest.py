@@ -36,6 +36,19 @@ def micro(micro_dir):
 
 
 @pytest.fixture(scope="session")
+def micro64(micro_dir):
+    """(config, dequantised float64 weights) of the micro checkpoint: float64 leaves no near-tie
+    of a discrete choice (indexer top-k, routing) to fp32 round-off, so model and oracle must
+    agree to ~1e-12 everywhere."""
+    import torch
+
+    from sglang_dsv4.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(micro_dir, dtype=torch.float64)
+    return ckpt.config, ckpt.tensors
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """(config, dequantised float32 weights) of the tiny checkpoint (FlashMLA's attention shape,
     seed 0), written once per test session (the GPU tests use it)."""

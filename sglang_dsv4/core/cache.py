@@ -21,12 +21,11 @@ import torch
 from ..config import V4Config
 from ..kernels.backend import AttentionBackend
 from ..kernels.dispatch import select_backend
-from ..kernels.kv_layout import RowLayout
 from .pages import EntryPagePool
+from .slot_state import SlotStateLayout
+from .step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width
 
 Tensor = torch.Tensor
-RATIOS = (4, 128)
-C4_STATE_ROWS = 8
 
 
 class CacheCapacityError(RuntimeError):
@@ -60,36 +59,6 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for t in self.slot_state.values())
 
 
-def alloc_slot_state(cfg: V4Config, num_slots: int, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu", ring_layout: RowLayout | None = None) -> dict[str, Tensor]:
-    """Per-request state tensors, [num_slots, ...] each: what a slot owns and a snapshot copies.
-
-    The rings are float rows of ``dtype`` unless ``ring_layout`` (an attention backend's window
-    layout) says otherwise; each ring is one page of that layout.
-    """
-    Dh, Di, n4, n128 = cfg.head_dim, cfg.index_head_dim, len(cfg.c4_layers), len(cfg.c128_layers)
-    n_ring_layers = cfg.num_hidden_layers + cfg.num_mtp_layers
-
-    def zeros(*shape: int) -> Tensor:
-        return torch.zeros(num_slots, *shape, dtype=dtype, device=device)
-
-    ring = (zeros(n_ring_layers, cfg.sliding_window, Dh) if ring_layout is None
-            else ring_layout.alloc(num_slots, n_ring_layers, device=device))
-    return {
-        "ring": ring,
-        "c4_main_a": zeros(n4, C4_STATE_ROWS, 2 * Dh), "c4_main_s": zeros(n4, C4_STATE_ROWS, 2 * Dh),
-        "c4_index_a": zeros(n4, C4_STATE_ROWS, 2 * Di), "c4_index_s": zeros(n4, C4_STATE_ROWS, 2 * Di),
-        "c128": zeros(n128, 3, Dh),
-    }
-
-
-def reset_slot_state(slot_state: dict[str, Tensor], slot: int) -> None:
-    """State of a request at position 0: only the C128 accumulator needs a value (empty group)."""
-    c128 = slot_state["c128"][slot]
-    c128[:, 0].fill_(float("-inf"))  # running max
-    c128[:, 1:].zero_()              # running sum, weighted sum
-
-
 class V4Cache:
     """Owns all KV storage of the incremental model for up to ``max_requests`` running requests.
 
@@ -111,8 +80,8 @@ class V4Cache:
         self.c4_index = {layer: i for i, layer in enumerate(cfg.c4_layers)}
         self.c128_index = {layer: i for i, layer in enumerate(cfg.c128_layers)}
 
-        self.slot_state = alloc_slot_state(cfg, max_requests, dtype, self.device,
-                                           self.backend.window_layout(cfg, dtype))
+        self.layout = SlotStateLayout.of(cfg, self.backend.window_layout(cfg, dtype), dtype)
+        self.slot_state = self.layout.alloc(max_requests, self.device)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
         # a token budget's worth of full pages, plus one partly filled page per running request
@@ -128,7 +97,7 @@ class V4Cache:
         if not self._free_slots:
             raise CacheCapacityError(f"all {self.max_requests} request slots are in use")
         req = RequestState(slot=self._free_slots.pop())
-        reset_slot_state(self.slot_state, req.slot)
+        self.layout.reset(self.slot_state, req.slot)
         self.live_requests[req.slot] = req
         return req
 
@@ -153,7 +122,7 @@ class V4Cache:
         """Make room for the entries each request completes in this forward.
 
         -> {ratio: [storage rows of entries completed, per request]}. Checks every pool first, so
-        on OutOfPagesError nothing has changed.
+        on CacheCapacityError nothing has changed.
         """
         for r, pool in self.pools.items():
             need = sum(pool.pages_needed(q.tables[r], q.num_tokens // r, (q.num_tokens + n) // r)
@@ -161,20 +130,38 @@ class V4Cache:
             if need > pool.num_free:
                 raise CacheCapacityError(f"ratio-{r} compressed pool full: need {need} pages, "
                                          f"{pool.num_free} of {pool.num_pages} free")
-        return {r: [pool.extend(q.tables[r], q.num_tokens // r, (q.num_tokens + n) // r).to(self.device)
+        return {r: [pool.extend(q.tables[r], q.num_tokens // r, (q.num_tokens + n) // r)
                     for q, n in zip(reqs, num_new)]
                 for r, pool in self.pools.items()}
 
+    def step_tables(self, reqs: list[RequestState], step: StepBatch) -> StepTables:
+        """The step's tables from the page tables (built on the host: this is the reference)."""
+        lens, starts = step.lens_host, step.starts_host
+        reserved = self.reserve_entries(list(reqs), lens)
+        write, table = {}, {}
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        for r, pool in self.pools.items():
+            rows = torch.full((positions.numel(),), pool.scratch_row, dtype=torch.long)
+            done = completing_tokens(positions, r)
+            rows[done] = torch.cat(reserved[r]) if reserved[r] else rows[done]
+            width = entry_width(max((s + n) // r for s, n in zip(starts, lens)), self.max_seq_len // r, self.device)
+            t = torch.full((len(reqs), width), -1, dtype=torch.long)
+            for i, (q, s, n) in enumerate(zip(reqs, starts, lens)):
+                m = (s + n) // r
+                t[i, :m] = self.entry_rows(q, r, m)
+            write[r], table[r] = rows.to(self.device), t.to(self.device)
+        return StepTables(write, table)
+
     def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
         """Storage rows (in ``pools[ratio].tensors``) of the request's entries 0..num_entries-1."""
-        return self.pools[ratio].slots(req.tables[ratio], torch.arange(num_entries)).to(self.device)
+        return self.pools[ratio].slots(req.tables[ratio], torch.arange(num_entries))
 
     # ---- snapshots -----------------------------------------------------------------------
     def snapshot(self, req: RequestState) -> Snapshot:
         """Capture ``req`` at its current position; shares its entries, copies its slot state."""
         snap = Snapshot(
             num_tokens=req.num_tokens, mtp_num_tokens=req.mtp_num_tokens,
-            slot_state={k: v[req.slot].clone() for k, v in self.slot_state.items()},
+            slot_state=self.layout.copy_out(self.slot_state, req.slot),
             tables={r: list(t) for r, t in req.tables.items()})
         for r, t in snap.tables.items():
             self.pools[r].incref(t)
@@ -186,8 +173,7 @@ class V4Cache:
         if snap.released:
             raise AssertionError("restore from a released snapshot")
         req = self.new_request()
-        for k, v in snap.slot_state.items():
-            self.slot_state[k][req.slot].copy_(v)
+        self.layout.copy_in(self.slot_state, req.slot, snap.slot_state)
         req.num_tokens, req.mtp_num_tokens = snap.num_tokens, snap.mtp_num_tokens
         req.tables = {r: list(t) for r, t in snap.tables.items()}
         for r, t in req.tables.items():
@@ -205,7 +191,7 @@ class V4Cache:
     # ---- accounting ----------------------------------------------------------------------
     def slot_state_bytes(self) -> int:
         """Bytes of one request's own state (ring + compressor state)."""
-        return sum(v[0].numel() * v.element_size() for v in self.slot_state.values())
+        return self.layout.slot_bytes
 
     def check_integrity(self) -> None:
         """free slots + live requests == all slots; page refcounts == holders."""

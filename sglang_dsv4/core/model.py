@@ -1,44 +1,36 @@
-"""The incremental V4 model: prefill chunks of any size and single-token decode over ``V4Cache``.
+"""The incremental V4 model: prefill chunks of any size and single-token decode over a cache.
 
-A forward takes a batch of (request, new token ids). Per-token work (projections, hyper-
-connections, MoE) runs once over all tokens of the batch; the cache work (compressor state,
-compressed entries, indexer top-k) runs per request, vectorised over that request's tokens. The
-attention itself (window ring + selected entries + sink) goes to the cache's attention backend
-(``kernels.backend``) in one call per layer, which also owns the storage format.
+A forward takes a batch of (request, new token ids) and runs as one batched step (``step``):
+every op runs once over all tokens of the batch, and the cache work (compressor state, entries,
+indexer top-k, window rings) is vectorised over the batch's requests through index tensors built
+before the step from host lengths. Nothing inside a layer loops over requests or syncs with the
+host. The attention itself (window ring + selected entries + sink) goes to the cache's attention
+backend (``kernels.backend``) in one call per layer, which also owns the storage format.
+
+The cache is reached only through ``step.V4CacheView``; the same code runs over the reference
+cache (``cache.V4Cache``) and the serving one (``srt.state.SglangV4Cache``), on CPU and GPU.
+On the CPU every position's result is independent of how its sequence was chunked (GEMM rows
+padded, fixed-width entry tables, sequential C128 pooling), so cut prefills and decode give
+the logits of an uncut prefill bit for bit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ..config import V4Config
-from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch, AttnSegment
+from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch
 from . import ops
-from .cache import C4_STATE_ROWS, RequestState, V4Cache
+from .cache import RequestState
+from .slot_state import C4_STATE_ROWS
+from .step import CPU_TOKEN_TILE, StepBatch, V4CacheView, build_step, pad_step
 
 if TYPE_CHECKING:
     from .parallel import ModelParallel
 
 Tensor = torch.Tensor
-
-
-@dataclass
-class _Segment:
-    """One request's tokens inside the batch: rows [row0, row1), positions [start, start + n)."""
-
-    req: RequestState
-    row0: int
-    row1: int
-    start: int
-    write_rows: dict[int, Tensor]  # ratio -> storage rows of the entries this chunk completes
-    read_rows: dict[int, Tensor]   # ratio -> storage rows of entries 0 .. end//ratio - 1
-
-    @property
-    def end(self) -> int:
-        return self.start + self.row1 - self.row0
 
 
 def weight_dtypes(matmul_dtype: torch.dtype, dtype: torch.dtype = torch.float32):
@@ -74,7 +66,7 @@ class V4Model:
 
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, cache: V4Cache, reqs: list[RequestState], ids: list[Tensor],
+    def forward(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
                 return_streams: bool = False, return_hidden: bool = False):
         """Process ``ids[i]`` as the next tokens of ``reqs[i]``.
 
@@ -83,36 +75,41 @@ class V4Model:
         request ([n_i, hc, D], the MTP block's input). Advances each request's ``num_tokens``.
         Raises ValueError (too long) or CacheCapacityError before touching any state.
         """
+        self._check_inputs(cache, reqs, ids)
+        step = build_step(reqs, ids, [r.num_tokens for r in reqs], cache.layout.scratch_slot(cache.slot_state),
+                          self.device, with_c128=bool(self.cfg.c128_layers))
+        step.tables = cache.step_tables(reqs, step)
+        step = self._pad(cache, step)
+        h = self.forward_step(cache, step)
+        for req, n in zip(reqs, step.real_lens):
+            req.num_tokens += n
+        return self._outputs(h, step, return_streams, return_hidden)
+
+    def _pad(self, cache: V4CacheView, step: StepBatch) -> StepBatch:
+        """On the CPU, pad the step's tokens to ``CPU_TOKEN_TILE`` (see there); as is elsewhere."""
+        if self.device.type != "cpu":
+            return step
+        return pad_step(step, CPU_TOKEN_TILE, {r: p.scratch_row for r, p in cache.pools.items()})
+
+    def forward_step(self, cache: V4CacheView, step: StepBatch) -> Tensor:
+        """The batched step on device tensors only: -> final residual streams [T, hc, D]."""
         cfg = self.cfg
-        self._check_backend(cache)
-        for req, t in zip(reqs, ids):
-            if t.dim() != 1 or t.numel() == 0:
-                raise ValueError(f"token ids must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
-            cache.check_length(req, t.numel())
-        write_rows = cache.reserve_entries(reqs, [t.numel() for t in ids])
-        segments, row = [], 0
-        for i, (req, t) in enumerate(zip(reqs, ids)):
-            end = req.num_tokens + t.numel()
-            # storage rows on the model's device, whichever cache produced them
-            segments.append(_Segment(req, row, row + t.numel(), req.num_tokens,
-                                     {r: rows[i].to(self.device) for r, rows in write_rows.items()},
-                                     {r: cache.entry_rows(req, r, end // r).to(self.device) for r in write_rows}))
-            row += t.numel()
-        flat_ids = torch.cat(ids).to(self.device)
-        positions = self._positions(segments)
-        h = self.w["embed.weight"][flat_ids].to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        h = self.w["embed.weight"][step.ids].to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         for i, lw in enumerate(self.layers):
-            h = self._block(h, lw, i, cfg.layer_ratios[i], flat_ids, positions, segments, cache,
-                            hash_routed=i < cfg.num_hash_layers, mtp=False)
-        for s in segments:
-            s.req.num_tokens = s.end
-        y = ops.hc_head(h, self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"], cfg)
-        out = ops.rms_norm(y, self.w["norm.weight"], cfg.rms_norm_eps)
+            h = self._block(h, lw, i, cfg.layer_ratios[i], step, cache, hash_routed=i < cfg.num_hash_layers)
+        return h
+
+    def _outputs(self, h: Tensor, step: StepBatch, return_streams: bool, return_hidden: bool,
+                 w: dict[str, Tensor] | None = None):
+        w = w or self.w
+        y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], self.cfg)
+        out = ops.rms_norm(y, w["norm.weight"], self.cfg.rms_norm_eps)
         if not return_hidden:
             out = self.logits(out)
-        per_req = [out[s.row0:s.row1] for s in segments]
+        n = len(step.real_lens)
+        per_req = list(torch.split(out, step.lens_host))[:n]
         if return_streams:
-            return per_req, [h[s.row0:s.row1] for s in segments]
+            return per_req, list(torch.split(h, step.lens_host))[:n]
         return per_req
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -120,90 +117,145 @@ class V4Model:
 
     # ---- MTP ------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward_mtp(self, cache: V4Cache, reqs: list[RequestState], streams: list[Tensor],
-                    next_ids: list[Tensor]) -> list[Tensor]:
+    def forward_mtp(self, cache: V4CacheView, reqs: Sequence[RequestState], streams: Sequence[Tensor],
+                    next_ids: Sequence[Tensor]) -> list[Tensor]:
         """MTP positions mtp_num_tokens.. of each request: row t pairs the main streams at t with
         token t+1 and predicts token t+2. -> logits per request."""
         cfg, w = self.cfg, self.mtp[0]
+        layer = cfg.num_hidden_layers
+        if cfg.compress_ratios[layer]:
+            raise NotImplementedError(f"an MTP layer with compress ratio {cfg.compress_ratios[layer]}")
         for req, t in zip(reqs, next_ids):
             if req.mtp_num_tokens + t.numel() > req.num_tokens:
                 raise ValueError("MTP cannot run ahead of the main model")
         self._check_backend(cache)
-        segments, row = [], 0
-        for req, t in zip(reqs, next_ids):
-            segments.append(_Segment(req, row, row + t.numel(), req.mtp_num_tokens, {}, {}))
-            row += t.numel()
-        flat_ids = torch.cat(next_ids).to(self.device)
-        positions = self._positions(segments)
-        h = ops.mtp_input(torch.cat(streams), flat_ids, self.w["embed.weight"], w, cfg)
-        h = self._block(h, w, cfg.num_hidden_layers, cfg.compress_ratios[cfg.num_hidden_layers],
-                        flat_ids, positions, segments, cache, hash_routed=False, mtp=True)
-        for s in segments:
-            s.req.mtp_num_tokens = s.end
-        y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg)
-        logits = self.logits(ops.rms_norm(y, w["norm.weight"], cfg.rms_norm_eps))
-        return [logits[s.row0:s.row1] for s in segments]
+        step = build_step(reqs, next_ids, [r.mtp_num_tokens for r in reqs],
+                          cache.layout.scratch_slot(cache.slot_state), self.device, with_c128=False)
+        step = self._pad(cache, step)
+        streams = torch.cat(list(streams))
+        streams = torch.cat((streams, streams.new_zeros((step.num_tokens - streams.shape[0],) + streams.shape[1:])))
+        h = ops.mtp_input(streams, step.ids, self.w["embed.weight"], w, cfg)
+        h = self._block(h, w, layer, 0, step, cache, hash_routed=False)
+        for req, n in zip(reqs, step.real_lens):
+            req.mtp_num_tokens += n
+        return self._outputs(h, step, False, False, w)
 
     # ---- blocks ----------------------------------------------------------------------------
-    def _block(self, h: Tensor, w: dict[str, Tensor], layer: int, ratio: int, ids: Tensor,
-               positions: Tensor, segments: list[_Segment], cache: V4Cache, hash_routed: bool,
-               mtp: bool) -> Tensor:
+    def _block(self, h: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
+               cache: V4CacheView, hash_routed: bool) -> Tensor:
         cfg = self.cfg
         y, post, comb = ops.hc_pre(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg)
         x = ops.rms_norm(y, w["attn_norm.weight"], cfg.rms_norm_eps)
-        h = ops.hc_post(self._attention(x, w, layer, ratio, positions, segments, cache), h, post, comb)
+        h = ops.hc_post(self._attention(x, w, layer, ratio, step, cache), h, post, comb)
         y, post, comb = ops.hc_pre(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg)
         x = ops.rms_norm(y, w["ffn_norm.weight"], cfg.rms_norm_eps)
         par = self.parallel
-        f = par.moe(x, ids, w, cfg, hash_routed) if par else ops.moe(x, ids, w, cfg, hash_routed)
+        f = par.moe(x, step.ids, w, cfg, hash_routed) if par else ops.moe(x, step.ids, w, cfg, hash_routed)
         return ops.hc_post(f, h, post, comb)
 
-    def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, positions: Tensor,
-                   segments: list[_Segment], cache: V4Cache) -> Tensor:
-        cfg, qs = self.cfg, self.quant_sim
+    def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
+                   cache: V4CacheView) -> Tensor:
+        cfg, qs, pos = self.cfg, self.quant_sim, step.positions
         freqs = ops.layer_inv_freqs(cfg, ratio)
-        q, qr = ops.project_q(x, w, positions, freqs, cfg)
-        kv = ops.project_kv(x, w, positions, freqs, cfg, qs)
+        q, qr = ops.project_q(x, w, pos, freqs, cfg)
+        kv = ops.project_kv(x, w, pos, freqs, cfg, qs)
+        comp_idx = table = entries = entry_layout = None
         if ratio:
-            a, s = ops.compressor_projections(x, w, "attn.compressor", positions, ratio)
-            pool = cache.pools[ratio]
-        if ratio == 4:
-            ia, is_ = ops.compressor_projections(x, w, "attn.indexer.compressor", positions, 4)
-            qi, hw = ops.indexer_queries(x, qr, w, positions, freqs, cfg, qs)
-        attn_segments = []
-        for seg in segments:  # cache work per request, vectorised over its tokens
-            rows = slice(seg.row0, seg.row1)
-            pos = positions[rows]
-            aseg = AttnSegment(seg.req.slot, seg.start, seg.row0, seg.row1)
-            if ratio:
-                new = self._compress(cache, seg, layer, ratio, a[rows], s[rows], w, "attn.compressor",
-                                     freqs, is_indexer=False)
-                pool.write(f"main{layer}", seg.write_rows[ratio], new)
-                visible = (pos + 1) // ratio
-                if ratio == 128:
-                    j = torch.arange(seg.end // ratio, device=pos.device)
-                    aseg.comp_idx = torch.where(j[None, :] < visible[:, None], j[None, :], -1)
-                else:
-                    new_keys = self._compress(cache, seg, layer, 4, ia[rows], is_[rows], w,
-                                              "attn.indexer.compressor", freqs, is_indexer=True)
-                    pool.write(f"index{layer}", seg.write_rows[4], new_keys)
-                    index_keys = pool.read(f"index{layer}", seg.read_rows[4])
-                    scores = ops.indexer_scores(qi[rows], hw[rows], index_keys.to(qi.dtype))
-                    aseg.comp_idx = ops.select_topk(scores, visible, cfg.index_topk)
-                aseg.entry_rows = seg.read_rows[ratio]
-            attn_segments.append(aseg)
+            pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
+            a, s = ops.compressor_projections(x, w, "attn.compressor", pos, ratio)
+            visible = (pos + 1) // ratio
+            if ratio == 4:
+                c4 = cache.c4_index[layer]
+                new = self._c4_entries(cache, step, c4, "main", a, s, w, "attn.compressor", freqs, False)
+                pool.write(f"main{layer}", step.tables.write_rows[4], new)
+                ia, is_ = ops.compressor_projections(x, w, "attn.indexer.compressor", pos, 4)
+                keys = self._c4_entries(cache, step, c4, "index", ia, is_, w, "attn.indexer.compressor", freqs, True)
+                pool.write(f"index{layer}", step.tables.write_rows[4], keys)
+                qi, hw = ops.indexer_queries(x, qr, w, pos, freqs, cfg, qs)
+                comp_idx = self._select(pool, f"index{layer}", table, step, qi, hw, visible)
+            else:
+                new = self._c128_entries(cache, step, cache.c128_index[layer], a, s, w, freqs)
+                seg = step.c128
+                dst = torch.where(seg.completes, step.tables.write_rows[128][seg.last_tok], pool.scratch_row)
+                pool.write(f"main{layer}", dst, new)
+                j = torch.arange(table.shape[1], device=pos.device)
+                comp_idx = torch.where(j[None, :] < visible[:, None], j[None, :], -1)
+            entries, entry_layout = pool.tensors[f"main{layer}"], pool.layouts[f"main{layer}"]
         backend = self._backend(cache)
         o = backend.attend(AttnBatch(
-            q, kv, positions, attn_segments,
-            ring=cache.slot_state["ring"][:, layer],
-            ring_layout=backend.window_layout(cfg, cache.slot_state["ring"].dtype),
-            entries=pool.tensors[f"main{layer}"] if ratio else None,
-            entry_layout=pool.layouts[f"main{layer}"] if ratio else None,
-            sink=w["attn.attn_sink"], scale=cfg.softmax_scale))
-        out = ops.attention_output(o, w, positions, freqs, cfg)
+            q, kv, step, ring=cache.slot_state["ring"][:, layer],
+            ring_layout=cache.layout.ring, comp_idx=comp_idx, entry_table=table,
+            entries=entries, entry_layout=entry_layout, sink=w["attn.attn_sink"], scale=cfg.softmax_scale))
+        out = ops.attention_output(o, w, pos, freqs, cfg)
         return self.parallel.reduce_attention(out) if self.parallel else out
 
-    # ---- backend and devices ---------------------------------------------------------------
+    # ---- compressors (batched over the step's requests) -------------------------------------
+    def _c4_entries(self, cache: V4CacheView, step: StepBatch, c4: int, kind: str, a: Tensor, s: Tensor,
+                    w: dict[str, Tensor], prefix: str, freqs: Tensor, is_indexer: bool) -> Tensor:
+        """Per token t at position p, the entry its 8-row window (positions p-7..p) pools, finished
+        -> [T, d] (meaningful where p completes a group; the others go to the scratch row). Then
+        the chunk's last 8 rows of each request become its state (rows at p % 8)."""
+        st_a, st_s = cache.slot_state[f"c4_{kind}_a"], cache.slot_state[f"c4_{kind}_s"]
+        R, (B, T, d2) = C4_STATE_ROWS, (step.num_reqs, step.num_tokens, a.shape[1])
+        pos, b = step.positions, step.tok_req
+        # rows before the chunk come from the slot's state, rows inside it from the chunk
+        src_a = torch.cat((st_a[step.slots, c4].reshape(B * R, d2), a, a.new_zeros(1, d2)))
+        src_s = torch.cat((st_s[step.slots, c4].reshape(B * R, d2), s, s.new_full((1, d2), float("-inf"))))
+        qpos = pos[:, None] - (R - 1) + torch.arange(R, device=pos.device)
+        start = step.starts[b][:, None]
+        idx = torch.where(qpos >= start, B * R + step.row0[b][:, None] + qpos - start,
+                          torch.where(qpos >= 0, b[:, None] * R + qpos % R, B * R + T))
+        pooled = ops.pool_c4_windows(src_a[idx], src_s[idx])
+        keep = pos >= step.ends[b] - R
+        dst = torch.where(keep, step.slots[b], step.scratch_slot) * st_a.shape[1] * R + c4 * R + pos % R
+        st_a.view(-1, d2)[dst] = a
+        st_s.view(-1, d2)[dst] = s
+        return ops.finish_entries(pooled, w, prefix, pos - 3, freqs, self.cfg, is_indexer, self.quant_sim)
+
+    def _c128_entries(self, cache: V4CacheView, step: StepBatch, c128: int, a: Tensor, s: Tensor,
+                      w: dict[str, Tensor], freqs: Tensor) -> Tensor:
+        """Online-softmax pooling of every (request, group) segment of the step, position by
+        position -> the segments' entries [G, d] (real where the segment completes its group)."""
+        seg, state = step.c128, cache.slot_state["c128"]
+        d = a.shape[1]
+        empty = torch.stack((a.new_full((d,), float("-inf")), a.new_zeros(d), a.new_zeros(d)))
+        slots = step.slots[step.tok_req[seg.last_tok]]
+        init = torch.where(seg.carry[:, None, None], state[slots, c128], empty)
+        run = ops.online_softmax_pool(a, s, seg.tok, init, seg.width)
+        state[seg.store_slot, c128] = torch.where(seg.completes[:, None, None], empty, run)
+        pooled = run[:, 2] / run[:, 1]
+        return ops.finish_entries(pooled, w, "attn.compressor", seg.first_pos, freqs, self.cfg, False,
+                                  self.quant_sim)
+
+    def _select(self, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor, hw: Tensor,
+                visible: Tensor) -> Tensor:
+        """Indexer top-k per token among its request's visible entries -> entry indices [T, k]."""
+        B, N = table.shape
+        keys = pool.read(name, table.clamp_min(0).flatten()).view(B, N, -1).to(qi.dtype)
+        grid = step.token_grid().clamp_min(0)        # [B, L]: padding rows compute garbage
+        L = grid.shape[1]
+        scores = torch.empty(B, L, N, dtype=qi.dtype, device=qi.device)
+        for l0 in range(0, L, self.SCORE_BLOCK):     # bounds the [B, block, Hi, N] products
+            gb = grid[:, l0:l0 + self.SCORE_BLOCK]
+            scores[:, l0:l0 + self.SCORE_BLOCK] = ops.batched_indexer_scores(qi[gb], hw[gb], keys)
+        b = step.tok_req
+        scores = scores[b, torch.arange(step.num_tokens, device=b.device) - step.row0[b]]
+        return ops.select_topk(scores, visible, self.cfg.index_topk)
+
+    SCORE_BLOCK = 256
+
+    # ---- checks, backend and devices ---------------------------------------------------------
+    def _check_inputs(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor]) -> None:
+        self._check_backend(cache)
+        if len(reqs) != len(ids) or not reqs:
+            raise ValueError(f"{len(reqs)} requests with {len(ids)} token tensors")
+        if len({r.slot for r in reqs}) != len(reqs):
+            raise ValueError("a request appears twice in one step")
+        for req, t in zip(reqs, ids):
+            if t.dim() != 1 or t.numel() == 0:
+                raise ValueError(f"token ids must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+            cache.check_length(req, t.numel())
+
     @property
     def device(self) -> torch.device:
         return self.w["embed.weight"].device
@@ -213,78 +265,12 @@ class V4Model:
         """The activations' dtype (that of the non-matrix weights)."""
         return self.w["hc_head_fn"].dtype
 
-    def _positions(self, segments: list[_Segment]) -> Tensor:
-        return torch.cat([torch.arange(s.start, s.end, device=self.device) for s in segments])
-
     @staticmethod
-    def _backend(cache: V4Cache) -> AttentionBackend:
-        # a cache that names no backend (e.g. one duck-typing V4Cache) stores float rows
+    def _backend(cache: V4CacheView) -> AttentionBackend:
         return getattr(cache, "backend", None) or TORCH_BACKEND
 
-    def _check_backend(self, cache: V4Cache) -> None:
+    def _check_backend(self, cache: V4CacheView) -> None:
         backend = self._backend(cache)
         if backend.needs_quant_sim and not self.quant_sim:
             raise ValueError(f"attention backend {backend.name} stores KV in fp8, which is exact only for the "
                              "FP8/FP4-QAT'ed vectors: run the model with quant_sim=True")
-
-    # ---- compressors -------------------------------------------------------------------------
-    def _compress(self, cache: V4Cache, seg: _Segment, layer: int, ratio: int, a: Tensor, s: Tensor,
-                  w: dict[str, Tensor], prefix: str, freqs: Tensor, is_indexer: bool) -> Tensor:
-        """Advance one compressor over the chunk; -> the entries the chunk completes, [m, d]."""
-        if ratio == 4:
-            kind = "index" if is_indexer else "main"
-            pooled = self._c4_step(cache, seg.req.slot, cache.c4_index[layer], kind, a, s, seg.start, seg.end)
-        else:
-            pooled = self._c128_step(cache, seg.req.slot, cache.c128_index[layer], a, s, seg.start, seg.end)
-        first = torch.arange(seg.start // ratio, seg.end // ratio, device=a.device) * ratio
-        return ops.finish_entries(pooled, w, prefix, first, freqs, self.cfg, is_indexer, self.quant_sim)
-
-    @staticmethod
-    def _c4_step(cache: V4Cache, slot: int, c4: int, kind: str, a: Tensor, s: Tensor, start: int,
-                 end: int) -> Tensor:
-        """Ratio-4 state: raw rows of positions 4*floor(P/4)-4 .. P-1 at row p % 8."""
-        state_a = cache.slot_state[f"c4_{kind}_a"][slot, c4]
-        state_s = cache.slot_state[f"c4_{kind}_s"][slot, c4]
-        done_before, done_after = start // 4, end // 4
-        first = 4 * done_before - 4  # first row the new entries need (group done_before - 1)
-        held = torch.arange(max(first, 0), start, device=a.device) % C4_STATE_ROWS
-        rows_a, rows_s = torch.cat((state_a[held], a)), torch.cat((state_s[held], s))
-        if first < 0:  # group -1 does not exist
-            rows_a = torch.cat((a.new_zeros(4, a.shape[1]), rows_a))
-            rows_s = torch.cat((s.new_full((4, s.shape[1]), float("-inf")), rows_s))
-        m = done_after - done_before
-        pooled = ops.pool_c4(rows_a[: 4 * (m + 1)], rows_s[: 4 * (m + 1)])
-        pos = torch.arange(start, end, device=a.device)
-        keep = pos >= 4 * done_after - 4
-        state_a[pos[keep] % C4_STATE_ROWS] = a[keep]
-        state_s[pos[keep] % C4_STATE_ROWS] = s[keep]
-        return pooled
-
-    @staticmethod
-    def _c128_step(cache: V4Cache, slot: int, c128: int, a: Tensor, s: Tensor, start: int,
-                   end: int) -> Tensor:
-        """Ratio-128 state: online softmax (max, sum, weighted sum) over the open group."""
-        state = cache.slot_state["c128"][slot, c128]
-        g0, n_groups = start // 128, (end - 1) // 128 - start // 128 + 1
-        d = a.shape[1]
-        grid_a = a.new_zeros(n_groups * 128, d)
-        grid_s = s.new_full((n_groups * 128, d), float("-inf"))
-        grid_a[start - 128 * g0:end - 128 * g0] = a
-        grid_s[start - 128 * g0:end - 128 * g0] = s
-        grid_a, grid_s = grid_a.view(n_groups, 128, d), grid_s.view(n_groups, 128, d)
-        mx = grid_s.amax(1)
-        e = torch.exp(grid_s - mx[:, None])
-        total, acc = e.sum(1), (e * grid_a).sum(1)
-        # merge the open group carried in from earlier chunks into the first group
-        m0 = torch.maximum(state[0], mx[0])
-        c_old, c_new = torch.exp(state[0] - m0), torch.exp(mx[0] - m0)
-        total[0] = state[1] * c_old + total[0] * c_new
-        acc[0] = state[2] * c_old + acc[0] * c_new
-        mx[0] = m0
-        n_done = end // 128 - g0
-        if end % 128:
-            state.copy_(torch.stack((mx[-1], total[-1], acc[-1])))
-        else:
-            state[0].fill_(float("-inf"))
-            state[1:].zero_()
-        return acc[:n_done] / total[:n_done]

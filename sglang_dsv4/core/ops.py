@@ -19,11 +19,29 @@ from ..quant import fp4_qat, fp8_qat, hadamard
 Tensor = torch.Tensor
 
 
+# CPU GEMMs (MKL) take another kernel, with another summation order, for a few rows (measured:
+# 1-3, 5-7, 9-11 rows differ; every multiple of 4 agrees): padding the rows to a multiple of 8 keeps
+# each row's result independent of how many rows come with it, i.e. of how a sequence is chunked.
+CPU_ROW_TILE = 8
+EXPERT_ROW_TILE = 32  # = core.step.CPU_TOKEN_TILE, for the rows an expert takes (see there)
+
+
+def pad_rows(x: Tensor, tile: int = CPU_ROW_TILE) -> Tensor:
+    """x with zero rows appended (dim 0) up to a multiple of ``tile`` on the CPU; as is elsewhere."""
+    extra = -x.shape[0] % tile
+    if x.device.type != "cpu" or not extra:
+        return x
+    return torch.cat((x, x.new_zeros((extra,) + tuple(x.shape[1:]))))
+
+
 def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w.T in the weight's dtype (bf16 weights: a bf16 GEMM), returned in x's dtype."""
-    if x.dtype == w.dtype:
-        return x @ w.t()
-    return (x.to(w.dtype) @ w.t()).to(x.dtype)
+    """x @ w.T in the weight's dtype (bf16 weights: a bf16 GEMM), returned in x's dtype.
+
+    Row i of the result depends only on row i of x (rows padded on the CPU, see CPU_ROW_TILE)."""
+    n = x.shape[0]
+    xp = pad_rows(x)
+    y = xp @ w.t() if x.dtype == w.dtype else (xp.to(w.dtype) @ w.t()).to(x.dtype)
+    return y[:n] if y.shape[0] != n else y
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -134,9 +152,10 @@ def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_fre
     o = apply_rope(o, positions, inv_freqs, inverse=True)
     # the groups held here: all o_groups, or a tensor-parallel rank's share (core.parallel)
     G = w["attn.wo_a.weight"].shape[0] // cfg.o_lora_rank
-    o = o.reshape(o.shape[0], G, -1)
+    T = o.shape[0]
+    o = pad_rows(o.reshape(T, G, -1))  # a per-group GEMM over the rows: padded like ``linear``
     wo_a = w["attn.wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-    z = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(o.dtype)
+    z = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(o.dtype)[:T]
     return linear(z.flatten(1), w["attn.wo_b.weight"])
 
 
@@ -149,14 +168,22 @@ def sparse_attention(q: Tensor, kv: Tensor, idx: Tensor, sink: Tensor, scale: fl
     """
     out = torch.empty_like(q)
     for t0 in range(0, q.shape[0], block):  # bounds the [block, K, Dh] gather, not a loop over tokens
-        qb, ib = q[t0:t0 + block], idx[t0:t0 + block]
-        keys = kv[ib.clamp_min(0)]                                        # [b, K, Dh]
-        logits = torch.einsum("thd,tkd->thk", qb, keys) * scale
-        logits = logits.masked_fill((ib < 0).unsqueeze(1), float("-inf"))
-        sink_col = sink.view(1, -1, 1).expand(qb.shape[0], -1, 1).to(logits.dtype)
-        probs = torch.softmax(torch.cat((logits, sink_col), dim=-1), dim=-1)[..., :-1]
-        out[t0:t0 + block] = torch.einsum("thk,tkd->thd", probs, keys)
+        ib = idx[t0:t0 + block]
+        out[t0:t0 + block] = sink_attention(q[t0:t0 + block], kv[ib.clamp_min(0)], ib >= 0, sink, scale)
     return out
+
+
+def sink_attention(q: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """Sink attention of each query over its own gathered keys (K = V).
+
+    q: [T, H, Dh]; keys: [T, K, Dh]; valid: [T, K] -> [T, H, Dh]. Each row's result depends only
+    on its own query, keys and mask (per-token batched GEMMs).
+    """
+    logits = torch.einsum("thd,tkd->thk", q, keys) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink_col = sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
+    probs = torch.softmax(torch.cat((logits, sink_col), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys)
 
 
 def window_indices(positions: Tensor, window: int, first_pos: int) -> Tensor:
@@ -182,11 +209,42 @@ def pool_c4(a: Tensor, s: Tensor) -> Tensor:
 
     Entry j softmax-pools, per channel, the A half (first d) of group j-1 and the B half of group j.
     """
-    d = a.shape[1] // 2
-    a, s = a.view(-1, 4, 2 * d), s.view(-1, 4, 2 * d)
-    a = torch.cat((a[:-1, :, :d], a[1:, :, d:]), dim=1)
-    s = torch.cat((s[:-1, :, :d], s[1:, :, d:]), dim=1)
-    return (torch.softmax(s, dim=1) * a).sum(1)
+    d2 = a.shape[1]
+    a, s = a.view(-1, 4, d2), s.view(-1, 4, d2)
+    return pool_c4_windows(torch.cat((a[:-1], a[1:]), dim=1), torch.cat((s[:-1], s[1:]), dim=1))
+
+
+def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
+    """The entry each 8-row window completes: a, s [N, 8, 2d] = rows of groups j-1 and j -> [N, d].
+
+    Per channel a softmax over the A half (first d) of group j-1's rows and the B half of group
+    j's. The softmax runs over the last dim: CPU softmax over an inner dim changes its summation
+    order with the batch size, which would make an entry depend on how its sequence was chunked.
+    """
+    d = a.shape[2] // 2
+    a = torch.cat((a[:, :4, :d], a[:, 4:, d:]), dim=1).transpose(1, 2).contiguous()
+    s = torch.cat((s[:, :4, :d], s[:, 4:, d:]), dim=1).transpose(1, 2).contiguous()
+    return (torch.softmax(s, dim=-1) * a).sum(-1)
+
+
+def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width: int) -> Tensor:
+    """Sequential online-softmax pooling of groups: ``state`` [G, 3, d] (running max, sum,
+    weighted sum) absorbs, position by position, rows ``a[tok[g, i]]``, ``s[tok[g, i]]`` for
+    i < width (tok -1: no row). -> the new state [G, 3, d].
+
+    One fixed order (position by position) whatever the chunking, so a group's pooled value does
+    not depend on where a prefill chunk started inside it."""
+    m, total, acc = state.unbind(1)
+    for i in range(width):
+        t = tok[:, i]
+        valid = (t >= 0).unsqueeze(1)
+        ai, si = a[t.clamp_min(0)], s[t.clamp_min(0)]
+        m_new = torch.maximum(m, si)
+        c_old, c_new = torch.exp(m - m_new), torch.exp(si - m_new)
+        total = torch.where(valid, total * c_old + c_new, total)
+        acc = torch.where(valid, acc * c_old + ai * c_new, acc)
+        m = torch.where(valid, m_new, m)
+    return torch.stack((m, total, acc), dim=1)
 
 
 def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_positions: Tensor,
@@ -218,6 +276,16 @@ def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], positions: Tens
 def indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
     """score[t, j] = sum_h w[t, h] * relu(<qI[t, h], K[j]>). keys: [N, Di] -> [T, N]."""
     return torch.einsum("th,thn->tn", head_weights, F.relu(torch.einsum("thd,nd->thn", qi, keys)))
+
+
+def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
+    """Per request: qi [B, L, Hi, Di], head weights [B, L, Hi], its keys [B, N, Di] -> [B, L, N].
+
+    The head sum is a plain reduction over Hi (not a per-row GEMM), so a row's score does not
+    depend on the rows or requests batched with it."""
+    B, L, Hi, Di = qi.shape
+    dots = torch.bmm(qi.reshape(B, L * Hi, Di), keys.transpose(1, 2)).view(B, L, Hi, -1)
+    return (head_weights.unsqueeze(-1) * F.relu(dots)).sum(2)
 
 
 def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
@@ -260,14 +328,34 @@ def routed_experts(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Co
         chosen = torch.topk(scores + w["ffn.gate.bias"], cfg.num_experts_per_tok, dim=-1).indices
     gates = scores.gather(1, chosen)
     gates = gates / gates.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+    local = experts if experts is not None else range(cfg.n_routed_experts)
+    return grouped_experts(x, chosen, gates, w, cfg, local)
+
+
+def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tensor], cfg: V4Config,
+                    experts: range) -> Tensor:
+    """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the experts held here, [T, D].
+
+    The (token, slot) pairs are sorted by expert once; each expert then runs one GEMM over its
+    rows (padded like ``linear``), and the outputs are added per token in expert order. A token's
+    result depends only on its own row and routing, not on the other tokens of the batch.
+    """
+    T, k = chosen.shape
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=cfg.n_routed_experts).tolist()  # host: the CPU path
+    rows = order // k
     out = torch.zeros_like(x)
-    for e in torch.unique(chosen).tolist():  # loop over experts, not tokens
-        if experts is not None and e not in experts:
-            continue
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        p = f"ffn.experts.{e}"
-        y = _swiglu(x[rows], w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, gates[rows, slot])
-        out.index_add_(0, rows, linear(y, w[f"{p}.w2.weight"]))
+    first = 0
+    for e, n in enumerate(counts):
+        if n and e in experts:
+            r = rows[first:first + n]
+            p = f"ffn.experts.{e}"
+            # rows padded like the step's tokens: no row falls in a vector loop's scalar tail
+            xr, g = pad_rows(x[r], EXPERT_ROW_TILE), pad_rows(gates.flatten()[order[first:first + n]], EXPERT_ROW_TILE)
+            y = _swiglu(xr, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, g)
+            out.index_add_(0, r, linear(y, w[f"{p}.w2.weight"])[:n])
+        first += n
     return out
 
 

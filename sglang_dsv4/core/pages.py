@@ -37,7 +37,8 @@ class EntryPagePool:
         for name, layout in self.layouts.items():
             if layout.page_size != page_size:
                 raise ValueError(f"{name}: layout pages of {layout.page_size} rows in a pool of {page_size}-entry pages")
-        self.tensors = {name: layout.alloc_pool(num_pages, device) for name, layout in self.layouts.items()}
+        # one page more than the pool hands out: the scratch page, always last (``scratch_row``)
+        self.tensors = {name: layout.alloc_pool(num_pages + 1, device) for name, layout in self.layouts.items()}
         self.refcount = [0] * num_pages
         self.filled = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))
@@ -60,8 +61,9 @@ class EntryPagePool:
         """Add ``extra_pages`` free pages (tensors are reallocated; storage rows keep their index)."""
         old = self.num_pages
         self.num_pages += extra_pages
-        for name, t in self.tensors.items():  # a layout's pool buffer is page-major along dim 0
-            self.tensors[name] = torch.cat((t, self.layouts[name].alloc_pool(extra_pages, t.device)))
+        for name, t in self.tensors.items():  # page-major along dim 0; the scratch page stays last
+            cut = old * (self.page_size if t.shape[0] > old + 1 else 1)
+            self.tensors[name] = torch.cat((t[:cut], self.layouts[name].alloc_pool(extra_pages, t.device), t[cut:]))
         self.refcount += [0] * extra_pages
         self.filled += [0] * extra_pages
         self._free = list(range(self.num_pages - 1, old - 1, -1)) + self._free
@@ -77,6 +79,11 @@ class EntryPagePool:
                 self._free.append(p)
             elif self.refcount[p] < 0:
                 raise AssertionError(f"page {p} released more often than referenced")
+
+    @property
+    def scratch_row(self) -> int:
+        """A storage row no entry owns: the batched step writes discarded entries there."""
+        return self.num_pages * self.page_size
 
     def pages_for(self, num_entries: int) -> int:
         return -(-num_entries // self.page_size)
@@ -165,7 +172,8 @@ class EntryRowPool:
             raise ValueError(f"layouts of one pool must share a page size, got {sorted(sizes)}")
         self.page_size = sizes.pop()
         self.layouts, self.device = layouts, torch.device(device)
-        self.tensors: dict[str, Tensor] = {name: layout.alloc_pool(0, self.device) for name, layout in layouts.items()}
+        # the scratch page (always last, see ``scratch_row``) is all the pool holds before ``grow``
+        self.tensors: dict[str, Tensor] = {name: layout.alloc_pool(1, self.device) for name, layout in layouts.items()}
         self.capacity = 0
         self._free = torch.empty(0, dtype=torch.long)
         self._num_free = 0
@@ -181,6 +189,11 @@ class EntryRowPool:
         return self.capacity - self._num_free
 
     @property
+    def scratch_row(self) -> int:
+        """A storage row no entry owns: the batched step writes discarded entries there."""
+        return self.capacity
+
+    @property
     def row_bytes(self) -> float:
         """Bytes of one entry row over all tensors of the pool (page padding amortised)."""
         return sum(layout.row_bytes for layout in self.layouts.values())
@@ -191,13 +204,22 @@ class EntryRowPool:
         pages = -(-extra_rows // self.page_size)
         old = self.capacity
         self.capacity += pages * self.page_size
-        for name, t in self.tensors.items():
-            self.tensors[name] = torch.cat((t, self.layouts[name].alloc_pool(pages, self.device)))
+        for name, t in self.tensors.items():  # page-major along dim 0; the scratch page stays last
+            cut = t.shape[0] - t.shape[0] // (old // self.page_size + 1)
+            self.tensors[name] = torch.cat((t[:cut], self.layouts[name].alloc_pool(pages, self.device), t[cut:]))
         new_rows = torch.arange(self.capacity - 1, old - 1, -1)
         live = self._free[:self._num_free]
         self._free = torch.cat((new_rows, live))  # the stack's top is the end: old free rows first
         self._num_free = self._free.numel()
         self._in_use = torch.cat((self._in_use, torch.zeros(self.capacity - old, dtype=torch.bool)))
+
+    def rows_in_use(self) -> Tensor:
+        """The rows handed out and not freed, ascending (int64, host)."""
+        return torch.nonzero(self._in_use).flatten()
+
+    def in_use(self, rows: Tensor) -> Tensor:
+        """[n] bool: whether each of ``rows`` is handed out."""
+        return self._in_use[rows.long().cpu()]
 
     def alloc(self, n: int) -> Tensor:
         """``n`` free rows (growing the pool when it runs out) -> int64 tensor [n]."""

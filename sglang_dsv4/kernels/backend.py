@@ -2,7 +2,8 @@
 
 ``V4Model`` keeps all cache logic (compressor state, indexer top-k, which entries each query may
 see) and hands each layer's attention to the cache's backend as an ``AttnBatch``: the queries,
-the new tokens' window rows, and per request the compressed entries its queries selected. The
+the new tokens' window rows, the batched step's index tensors, and per token the compressed
+entries it selected (entry indices into its request's row of the step's entry table). The
 backend stores the new window rows in the request's ring and computes the sink attention of
 v4_architecture.md §2.4 over (window ∪ selected entries). Backends differ only in the storage
 format (``window_layout`` / ``entry_layouts``) and in the kernel.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,39 +25,23 @@ from ..config import V4Config
 from ..core import ops
 from .kv_layout import FloatRows, IndexFp8Rows, RowLayout, V4Fp8Rows
 
+if TYPE_CHECKING:
+    from ..core.step import StepBatch
+
 Tensor = torch.Tensor
 
 
 @dataclass
-class AttnSegment:
-    """One request's tokens in the batch: rows [row0, row1) at positions start, start + 1, ..."""
-
-    slot: int
-    start: int
-    row0: int
-    row1: int
-    comp_idx: Tensor | None = None    # [n, K] indices into entry_rows (entry j), -1 = none
-    entry_rows: Tensor | None = None  # [num_entries] storage rows of the request's entries 0..
-
-    @property
-    def num_tokens(self) -> int:
-        return self.row1 - self.row0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass
 class AttnBatch:
-    """One layer's attention over a batch (see module docstring)."""
+    """One layer's attention over a batched step (see module docstring)."""
 
     q: Tensor                  # [T, H, Dh]
     kv: Tensor                 # [T, Dh] window rows of the new tokens (K = V), QAT'ed
-    positions: Tensor          # [T]
-    segments: list[AttnSegment]
-    ring: Tensor               # this layer's rings: one page of `window` rows per request slot
+    step: StepBatch            # positions, requests, slots of the step's tokens
+    ring: Tensor               # this layer's rings: one page of `window` rows per slot (+ scratch)
     ring_layout: RowLayout
+    comp_idx: Tensor | None    # [T, K] entry indices j each token attends (valid leftmost, -1 pad)
+    entry_table: Tensor | None  # [B, N] storage rows of each request's entries 0..N-1
     entries: Tensor | None     # this layer's compressed-entry page buffer (ratio > 0)
     entry_layout: RowLayout | None
     sink: Tensor               # [H] attention-sink logits
@@ -64,6 +50,41 @@ class AttnBatch:
     @property
     def window(self) -> int:
         return self.ring_layout.page_size
+
+    @property
+    def positions(self) -> Tensor:
+        return self.step.positions
+
+    def comp_rows(self) -> Tensor | None:
+        """[T, K] storage rows of the entries each token attends (-1 none)."""
+        if self.comp_idx is None:
+            return None
+        rows = self.entry_table[self.step.tok_req].gather(1, self.comp_idx.clamp_min(0))
+        return torch.where(self.comp_idx >= 0, rows, -1)
+
+    def window_sources(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(ring rows of the step's slots [B*W, Dh] float, the chunk's rows as stored [T, Dh],
+        window indices [T, W] into their concatenation, -1 where the position is negative).
+
+        Token t at position p sees positions p-W+1..p: those before its request's chunk from the
+        slot's ring (row q % W), the others from the chunk itself."""
+        W, st = self.window, self.step
+        B, b = st.num_reqs, st.tok_req
+        dev = self.kv.device
+        ring_rows = self.ring_layout.read(self.ring, (st.slots[:, None] * W + torch.arange(W, device=dev)).flatten())
+        chunk = self.ring_layout.round(self.kv)
+        qpos = self.positions[:, None] - (W - 1) + torch.arange(W, device=dev)
+        start = st.starts[b][:, None]
+        idx = torch.where(qpos >= start, B * W + st.row0[b][:, None] + qpos - start, b[:, None] * W + qpos % W)
+        return ring_rows, chunk, torch.where(qpos >= 0, idx, -1)
+
+    def write_ring(self) -> None:
+        """Store each request's last (up to W) new rows at ring row p % W of its slot (the other
+        tokens' rows go to the scratch slot's page)."""
+        W, st = self.window, self.step
+        pos, b = self.positions, st.tok_req
+        slot = torch.where(pos >= st.ends[b] - W, st.slots[b], st.scratch_slot)
+        self.ring_layout.write(self.ring, slot * W + pos % W, self.kv)
 
 
 class AttentionBackend(ABC):
@@ -118,32 +139,23 @@ class TorchBackend(AttentionBackend):
         return _entry_layouts(cfg, FloatRows(page_size, cfg.head_dim, dtype),
                               FloatRows(page_size, cfg.index_head_dim, dtype))
 
+    BLOCK = 256  # tokens per gather block: bounds the [block, W + K, Dh] keys, not a loop over requests
+
     def attend(self, b: AttnBatch) -> Tensor:
-        W, lay = b.window, b.ring_layout
-        o = torch.empty_like(b.q)
-        for seg in b.segments:  # per request, vectorised over its tokens
-            rows = slice(seg.row0, seg.row1)
-            pos, kv = b.positions[rows], b.kv[rows]
-            first = max(0, seg.start - W + 1)
-            held = torch.arange(first, seg.start, device=pos.device) % W + seg.slot * W
-            # keys: ring rows of positions first..start-1, then the chunk's own rows as stored
-            keys = torch.cat((lay.read(b.ring, held).to(kv.dtype), lay.round(kv)), dim=0)
-            idx = ops.window_indices(pos, W, first)
-            if seg.comp_idx is not None:
-                entries = b.entry_layout.read(b.entries, seg.entry_rows).to(kv.dtype)
-                idx = torch.cat((idx, torch.where(seg.comp_idx >= 0, seg.comp_idx + keys.shape[0], -1)), dim=1)
-                keys = torch.cat((keys, entries), dim=0)
-            o[rows] = ops.sparse_attention(b.q[rows], keys, idx, b.sink, b.scale)
-            write_window(b, seg)
-        return o
-
-
-def write_window(b: AttnBatch, seg: AttnSegment) -> None:
-    """Store the segment's last (up to W) window rows at ring row p % W of its slot."""
-    W = b.window
-    pos = b.positions[seg.row0:seg.row1]
-    keep = pos >= seg.end - W
-    b.ring_layout.write(b.ring, seg.slot * W + pos[keep] % W, b.kv[seg.row0:seg.row1][keep])
+        ring_rows, chunk, widx = b.window_sources()
+        src = torch.cat((ring_rows.to(chunk.dtype), chunk))
+        crow = b.comp_rows()
+        out = torch.empty_like(b.q)
+        for t0 in range(0, b.q.shape[0], self.BLOCK):
+            wi = widx[t0:t0 + self.BLOCK]
+            keys, valid = src[wi.clamp_min(0)], wi >= 0
+            if crow is not None:
+                cr = crow[t0:t0 + self.BLOCK]
+                ek = b.entry_layout.read(b.entries, cr.clamp_min(0).flatten()).view(cr.shape[0], cr.shape[1], -1)
+                keys, valid = torch.cat((keys, ek.to(keys.dtype)), 1), torch.cat((valid, cr >= 0), 1)
+            out[t0:t0 + self.BLOCK] = ops.sink_attention(b.q[t0:t0 + self.BLOCK], keys, valid, b.sink, b.scale)
+        b.write_ring()  # after the ring rows were read
+        return out
 
 
 TORCH_BACKEND = TorchBackend()

@@ -10,8 +10,9 @@ Block addressing (what the kernels see):
 A batch where every request brings one token is a decode step: the new rows are written to the
 rings first (the ring then holds p-W+1..p) and ``decode`` reads the ring as the main cache and the
 entries as the extra cache, indices padded to a multiple of 64 with -1. Any other batch (prefill
-chunks, mixed) goes through ``prefill`` over a bf16 workspace: per request the ring rows before the
-chunk, the chunk's own rows as stored, and the request's entries, with rebased indices.
+chunks, mixed) goes through ``prefill`` over a bf16 workspace: the ring rows of the step's slots,
+the chunk's own rows as stored, and each request's entries, with indices into it. Both are built
+for the whole batch at once from the step's index tensors.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import V4Config
-from ..core import ops
-from .backend import AttentionBackend, AttnBatch, AttnSegment, fp8_entry_layouts, fp8_window_layout, write_window
+from .backend import AttentionBackend, AttnBatch, fp8_entry_layouts, fp8_window_layout
 from .kv_layout import RowLayout
 
 Tensor = torch.Tensor
@@ -74,72 +74,46 @@ class SparseMLABackend(AttentionBackend):
         return fp8_entry_layouts(cfg, page_size, self.dtype)
 
     def attend(self, b: AttnBatch) -> Tensor:
-        if all(seg.num_tokens == 1 for seg in b.segments):
+        if b.step.is_decode:
             return self._decode(b)
         return self._prefill(b)
 
     # ---- decode ---------------------------------------------------------------------------------
     def _decode(self, b: AttnBatch) -> Tensor:
-        W, dev = b.window, b.q.device
-        rows = torch.tensor([s.row0 for s in b.segments], device=dev)
-        slots = torch.tensor([s.slot for s in b.segments], device=dev)
-        pos = b.positions[rows]
-        b.ring_layout.write(b.ring, slots * W + pos % W, b.kv[rows])
+        """One token per request (token t is request t): the ring is written first, then read as
+        the main cache (positions p-W+1..p, leftmost valid) and the entries as the extra cache."""
+        W, dev, st = b.window, b.q.device, b.step
+        pos, slots = b.positions, st.slots
+        b.ring_layout.write(b.ring, slots * W + pos % W, b.kv)
         lo = (pos - W + 1).clamp_min(0)
         key_pos = lo[:, None] + torch.arange(W, device=dev)  # valid ones first: lengths apply
         idx = torch.where(key_pos <= pos[:, None], slots[:, None] * W + key_pos % W, -1)
         extra: dict[str, Any] = {}
-        if b.entries is not None:
-            ext = self._entry_indices(b.segments, dev)
+        crow = b.comp_rows()  # valid rows leftmost (top-k order, or entries ascending)
+        if crow is not None:
+            crow = _pad_cols(crow, _round_up(max(crow.shape[1], 1), INDEX_BLOCK))
             extra = dict(extra_cache=b.entries, extra_layout=b.entry_layout,
-                         extra_indices=ext.to(torch.int32).unsqueeze(1).contiguous(),
-                         extra_lengths=(ext >= 0).sum(-1).to(torch.int32))
-        out = self.kernels.decode(b.q[rows].to(self.dtype).unsqueeze(1), b.ring, b.ring_layout,
+                         extra_indices=crow.to(torch.int32).unsqueeze(1).contiguous(),
+                         extra_lengths=(crow >= 0).sum(-1).to(torch.int32))
+        out = self.kernels.decode(b.q.to(self.dtype).unsqueeze(1), b.ring, b.ring_layout,
                                   idx.to(torch.int32).unsqueeze(1).contiguous(),
                                   (pos - lo + 1).to(torch.int32), b.sink.float().contiguous(), b.scale, **extra)
-        o = torch.empty_like(b.q)
-        o[rows] = out[:, 0].to(b.q.dtype)
-        return o
-
-    @staticmethod
-    def _entry_indices(segments: list[AttnSegment], dev: torch.device) -> Tensor:
-        """Storage rows of each request's selected entries [B, K], valid ones leftmost, -1 padded."""
-        per_req = []
-        for seg in segments:
-            comp = seg.comp_idx[0]
-            if seg.entry_rows.numel():
-                per_req.append(torch.where(comp >= 0, seg.entry_rows[comp.clamp_min(0)], -1))
-            else:
-                per_req.append(torch.full_like(comp, -1))
-        width = _round_up(max(max(r.numel() for r in per_req), 1), INDEX_BLOCK)
-        ext = torch.stack([_pad_cols(r, width) for r in per_req])
-        # the kernel's lengths count from the left: move the valid rows there (order is irrelevant)
-        order = torch.argsort((ext < 0).to(torch.int8), dim=1, stable=True)
-        return ext.gather(1, order)
+        return out[:, 0].to(b.q.dtype)
 
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, b: AttnBatch) -> Tensor:
-        W, dev = b.window, b.q.device
-        parts, idx_parts, base = [], [], 0
-        for seg in b.segments:
-            rows = slice(seg.row0, seg.row1)
-            pos = b.positions[rows]
-            first = max(0, seg.start - W + 1)
-            held = torch.arange(first, seg.start, device=dev) % W + seg.slot * W
-            keys = [b.ring_layout.read(b.ring, held), b.ring_layout.round(b.kv[rows]).float()]
-            n_window = keys[0].shape[0] + keys[1].shape[0]
-            widx = ops.window_indices(pos, W, first)
-            idx = torch.where(widx >= 0, widx + base, -1)
-            if seg.comp_idx is not None:
-                keys.append(b.entry_layout.read(b.entries, seg.entry_rows))
-                idx = torch.cat((idx, torch.where(seg.comp_idx >= 0, seg.comp_idx + base + n_window, -1)), dim=1)
-            write_window(b, seg)  # after this slot's ring rows were read
-            part = torch.cat(keys)
-            parts.append(part)
-            idx_parts.append(idx)
-            base += part.shape[0]
-        width = _round_up(max(i.shape[1] for i in idx_parts), INDEX_BLOCK)
-        indices = torch.cat([_pad_cols(i, width) for i in idx_parts]).to(torch.int32).unsqueeze(1)
+        """Any other step: a bf16 workspace [ring rows of the step's slots; the chunk's rows as
+        stored; each request's entries 0..N-1] and per-token indices into it."""
+        st = b.step
+        ring_rows, chunk, widx = b.window_sources()
+        parts, idx = [ring_rows, chunk.float()], widx
+        if b.comp_idx is not None:
+            B, N = b.entry_table.shape
+            parts.append(b.entry_layout.read(b.entries, b.entry_table.clamp_min(0).flatten()))
+            base = ring_rows.shape[0] + chunk.shape[0] + st.tok_req[:, None] * N
+            idx = torch.cat((idx, torch.where(b.comp_idx >= 0, base + b.comp_idx, -1)), dim=1)
+        b.write_ring()  # after the ring rows were read
+        indices = _pad_cols(idx, _round_up(idx.shape[1], INDEX_BLOCK)).to(torch.int32).unsqueeze(1)
         kv = torch.cat(parts).to(self.dtype).unsqueeze(1)  # stored values: exact in bf16
         out = self.kernels.prefill(b.q.to(self.dtype), kv, indices.contiguous(), b.sink.float().contiguous(),
                                    b.scale)

@@ -20,7 +20,7 @@ import torch
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend
 from ..kernels.dispatch import select_backend
-from ..memory import cache_bytes
+from ..core.slot_state import SlotStateLayout
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256  # upstream's V4 default too; each request ro
 SNAPSHOT_BUDGET_KEY = "dsv4_snapshot_budget_mb"  # read from the HF config (json model overrides)
 ATTENTION_BACKEND_KEY = "dsv4_attention_backend"  # likewise: auto | torch | torch-fp8 | flashmla
 ENTRY_PAGE_ROWS = 64  # rows per storage page of the cache's entry pools (FlashMLA's paged layout)
-ENTRY_SIDE_TABLE_BYTES = 2 * 8  # per token slot: one int64 entry row per ratio (state.entry_of_slot)
+ENTRY_SIDE_TABLE_BYTES = 2 * 4  # per token slot: one int32 entry row per ratio (state.entry_of_slot)
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,7 @@ def cache_backend(cfg: V4Config, hf_config, device: torch.device | str) -> Atten
 def storage_bytes(cfg: V4Config, backend: AttentionBackend) -> tuple[int, float]:
     """(bytes of one request row: rings + compressor state, compressed bytes per token slot) as
     ``state.SglangV4Cache`` allocates them for ``backend`` (its layouts, page padding included)."""
-    ring = backend.window_layout(cfg, torch.float32)
-    row = (cfg.num_hidden_layers + cfg.num_mtp_layers) * ring.page_bytes
-    row += int(cache_bytes(cfg, "fp32").compressor_state_bytes_per_request)  # fp32 in every layout
+    row = SlotStateLayout.of(cfg, backend.window_layout(cfg, torch.float32)).slot_bytes
     entries = backend.entry_layouts(cfg, ENTRY_PAGE_ROWS, torch.float32)
     token = sum(sum(layout.row_bytes for layout in layouts.values()) / r for r, layouts in entries.items())
     return row, token

@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from ..tokenizer_files import THINK_START_ID
-from .state import active_cache
+from .state import serving_cache
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class SnapshotRadixCache(RadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
-        cache, req = active_cache(), params.req
+        cache, req = serving_cache(), params.req
         if req is None or cache is None:
             return result  # internal re-matches (checkpoint) keep the full path
         forks: set[int] = set()
@@ -73,12 +73,12 @@ class SnapshotRadixCache(RadixCache):
         """Flushing the tree (``/flush_cache``) releases every token slot at once, without a
         per-slot free: release what the slots owned too."""
         super().reset()
-        cache = active_cache()
+        cache = serving_cache()
         if cache is not None:
             cache.clear_token_state()
 
     def checkpoint(self, req, *, up_to: int):
-        cache = active_cache()
+        cache = serving_cache()
         if self.disable or cache is None:
             return super().checkpoint(req, up_to=up_to)
         row = req.kv.req_pool_idx
@@ -90,3 +90,5 @@ class SnapshotRadixCache(RadixCache):
             super().checkpoint(req, up_to=up_to)
             tree = self.req_to_token_pool.req_to_token[row, :up_to]
             cache.move_snapshots(own, tree)
+        if state is not None:  # the row now reads the tree's slots: list their entries
+            cache.refresh_entries(row, up_to)

@@ -10,6 +10,15 @@ and keeps finished prefixes' token slots in its radix tree. We attach V4's state
   - a snapshot of the state at position P belongs to the token slot of position P - 1, and is
     dropped with it. A request whose cached prefix ends at P resumes from that snapshot.
 Only the radix tree decides what stays cached; we follow its token-slot lifetimes.
+
+The slot -> entry-row side table and each request row's list of entry rows live on the model's
+device and are appended by the step itself (``step_tables``), so a decode step reads no host
+table and rebuilds nothing from the context. Entry rows are handed out on the host from lengths
+alone; the host learns which rows a freed slot owned at free time (``free_token_slots``, in the
+scheduler, between steps).
+
+SGLang's hooks reach the cache of their process through ``serving_cache()``, which the plugin
+sets once the model has built it (``register_serving_cache``); nothing else is process-wide.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from typing import Iterator
 import torch
 
 from ..config import V4Config
-from ..core.cache import RATIOS, RequestState, alloc_slot_state, reset_slot_state
+from ..core.cache import RequestState
 from ..core.pages import EntryRowPool
+from ..core.slot_state import SlotStateLayout
+from ..core.step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width
 from ..kernels.backend import AttentionBackend
 from ..kernels.dispatch import select_backend
 from .pool_sizing import ENTRY_PAGE_ROWS, default_snapshot_budget_bytes
@@ -32,22 +43,33 @@ from .pool_sizing import ENTRY_PAGE_ROWS, default_snapshot_budget_bytes
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
-_ACTIVE: "SglangV4Cache | None" = None
+_SERVING: "SglangV4Cache | None" = None
 
 
-def active_cache() -> "SglangV4Cache | None":
-    """The cache of the model served by this process (one per scheduler / TP rank)."""
-    return _ACTIVE
+def register_serving_cache(cache: "SglangV4Cache | None") -> None:
+    """Make ``cache`` the one SGLang's hooks in this process reach (the plugin calls this right
+    after the model attached its cache to SGLang's pools; one scheduler / TP rank per process)."""
+    global _SERVING
+    _SERVING = cache
+
+
+def serving_cache() -> "SglangV4Cache | None":
+    """The cache of the model served by this process, or None before it exists."""
+    return _SERVING
+
+
+# the old name, kept for callers outside the package
+active_cache = serving_cache
 
 
 def on_token_slots_freed(slots: Tensor) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.free_token_slots(slots)
+    if _SERVING is not None:
+        _SERVING.free_token_slots(slots)
 
 
 def on_request_rows_freed(rows: list[int]) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.release_rows(rows)
+    if _SERVING is not None:
+        _SERVING.release_rows(rows)
 
 
 @dataclass
@@ -80,21 +102,28 @@ class SglangV4Cache:
                  snapshot_budget_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  backend: AttentionBackend | str | None = "auto"):
-        global _ACTIVE
         self.cfg, self.device, self.max_seq_len = cfg, torch.device(device), max_seq_len
         self.backend = select_backend(backend, cfg, self.device)
         self.c4_index = {layer: i for i, layer in enumerate(cfg.c4_layers)}
         self.c128_index = {layer: i for i, layer in enumerate(cfg.c128_layers)}
-        self.slot_state = alloc_slot_state(cfg, num_req_rows, dtype, self.device,
-                                           self.backend.window_layout(cfg, dtype))
+        self.layout = SlotStateLayout.of(cfg, self.backend.window_layout(cfg, dtype), dtype)
+        self.slot_state = self.layout.alloc(num_req_rows, self.device)  # + the scratch row
+        self.num_req_rows, self.num_token_slots = num_req_rows, num_token_slots
         # Every token slot can own at most one entry per ratio; only every r-th position does, so
         # this is the usual need; a tree of many short branches grows the pool.
         self.pools = {r: EntryRowPool(num_token_slots // r + num_req_rows + 1, layouts, self.device)
                       for r, layouts in self.backend.entry_layouts(cfg, ENTRY_PAGE_ROWS, dtype).items()}
-        self.entry_of_slot = {r: torch.full((num_token_slots,), -1, dtype=torch.long) for r in RATIOS}
+        # device side tables (int32; the last element / row is scratch): token slot -> entry row,
+        # and per request row its entries' rows in order
+        self.entry_of_slot = {r: torch.full((num_token_slots + 1,), -1, dtype=torch.int32, device=self.device)
+                              for r in RATIOS}
+        self.req_entries = {r: torch.full((num_req_rows + 1, max(max_seq_len // r, 1)), -1, dtype=torch.int32,
+                                          device=self.device) for r in RATIOS}
+        # (ratio, entry rows) of slots written twice: freed at the next free (which syncs anyway)
+        self._orphans: list[tuple[int, Tensor]] = []
         # LRU order: least recently taken/matched/restored first
         self.snapshots: OrderedDict[int, SlotSnapshot] = OrderedDict()
-        self.snapshot_bytes_each = sum(v[0].numel() * v.element_size() for v in self.slot_state.values())
+        self.snapshot_bytes_each = self.layout.slot_bytes
         self.snapshot_budget_bytes = (snapshot_budget_bytes if snapshot_budget_bytes is not None
                                       else default_snapshot_budget_bytes(num_req_rows, self.snapshot_bytes_each))
         self.rows: dict[int, _Row] = {}
@@ -103,7 +132,6 @@ class SglangV4Cache:
         self._deferred: list[Tensor] | None = None
         self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
                       "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0}
-        _ACTIVE = self
 
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
@@ -119,16 +147,18 @@ class SglangV4Cache:
                                    f"batch continues from {prefix_len}")
             return bound.state
         state = RequestState(slot=row)
+        for table in self.req_entries.values():
+            table[row].fill_(-1)
         if prefix_len == 0:
-            reset_slot_state(self.slot_state, row)
+            self.layout.reset(self.slot_state, row)
         else:
             key = int(self.req_to_token[row, prefix_len - 1])
             snap = self.snapshots.get(key)
             if snap is None or snap.num_tokens != prefix_len:
                 raise RuntimeError(f"request row {row}: no snapshot at its cached prefix of {prefix_len} tokens "
                                    "(the radix cache must only match up to snapshot positions)")
-            for k, v in snap.slot_state.items():
-                self.slot_state[k][row].copy_(v)
+            self.layout.copy_in(self.slot_state, row, snap.slot_state)
+            self.refresh_entries(row, prefix_len, check=True)
             self.snapshots.move_to_end(key)
             self.stats["snapshots_restored"] += 1
             self.stats["prompt_tokens_cached"] += prefix_len
@@ -154,34 +184,59 @@ class SglangV4Cache:
         side tables live; SGLang keeps ``req_to_token`` on the model's device)."""
         return self.req_to_token[row, positions.to(self.req_to_token.device)].long().cpu()
 
-    # ---- what V4Model asks of a cache ----------------------------------------------------
+    def refresh_entries(self, row: int, num_tokens: int, check: bool = False) -> None:
+        """Row ``row``'s entry lists from the slots of its first ``num_tokens`` positions (a
+        request resuming on the tree's slots, or after the tree deduplicated its slots): device
+        gathers; with ``check`` a missing entry is an error (one host sync: prefill only)."""
+        for r, table in self.req_entries.items():
+            n = num_tokens // r
+            if not n:
+                continue
+            slots = self.req_to_token[row, torch.arange(n, device=self.req_to_token.device) * r + r - 1]
+            rows = self.entry_of_slot[r][slots.to(self.device).long()]
+            table[row, :n] = rows
+            if check and bool((rows < 0).any()):
+                j = int(torch.nonzero(rows < 0)[0])
+                raise RuntimeError(f"request row {row}: compressed entry {j} (ratio {r}) missing "
+                                   f"for token slot {int(slots[j])}")
+
+    # ---- what V4Model asks of a cache (step.V4CacheView) --------------------------------------
     def check_length(self, req: RequestState, num_new: int) -> None:
         end = req.num_tokens + num_new
         if end > self.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds the maximum length {self.max_seq_len}")
 
-    def reserve_entries(self, reqs: list[RequestState], num_new: list[int]) -> dict[int, list[Tensor]]:
-        """Entry rows for the groups each request completes, owned by the completing token slots."""
-        out: dict[int, list[Tensor]] = {r: [] for r in RATIOS}
-        for req, n in zip(reqs, num_new):
-            for r, pool in self.pools.items():
-                first, last = req.num_tokens // r, (req.num_tokens + n) // r
-                slots = self._slots(req.slot, torch.arange(first, last) * r + r - 1)
-                old = self.entry_of_slot[r][slots]
-                pool.free(old[old >= 0])  # a slot written again (recompute) drops its old entry
-                rows = pool.alloc(last - first)
-                self.entry_of_slot[r][slots] = rows
-                out[r].append(rows)
-        return out
+    def step_tables(self, reqs: list[RequestState], step: StepBatch) -> StepTables:
+        """Entry rows for the groups this step completes, owned by the completing token slots.
 
-    def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
-        slots = self._slots(req.slot, torch.arange(num_entries) * ratio + ratio - 1)
-        rows = self.entry_of_slot[ratio][slots]
-        if num_entries and bool((rows < 0).any()):
-            j = int(torch.nonzero(rows < 0)[0])
-            raise RuntimeError(f"request row {req.slot}: compressed entry {j} (ratio {ratio}) missing "
-                               f"for token slot {int(slots[j])}")
-        return rows
+        Rows come from the host pools by count (lengths are on the host); the slot -> row table
+        and the request rows' entry lists are appended on the device by scatters whose
+        non-completing tokens write the tables' scratch element."""
+        pos, b = step.positions, step.tok_req
+        tok_slot = self.req_to_token[step.slots[b].to(self.req_to_token.device),
+                                     pos.to(self.req_to_token.device)].to(self.device).long()
+        starts, ends = step.starts_host, [s + n for s, n in zip(step.starts_host, step.lens_host)]
+        write, table = {}, {}
+        for r, pool in self.pools.items():
+            n = sum(e // r - s // r for s, e in zip(starts, ends))
+            rows = pool.alloc(n)
+            host_pos = step.positions_host
+            w = torch.full((host_pos.numel(),), pool.scratch_row, dtype=torch.long)
+            w[completing_tokens(host_pos, r)] = rows
+            w = w.to(self.device, non_blocking=True)
+            done = completing_tokens(pos, r)
+            slot_idx = torch.where(done, tok_slot, self.num_token_slots)
+            if not step.is_decode:  # a slot written again drops its old entry (freed later)
+                old = self.entry_of_slot[r][slot_idx]
+                self._orphans.append((r, torch.where(done, old, -1)))
+            self.entry_of_slot[r][slot_idx] = w.to(torch.int32)
+            entries = self.req_entries[r]
+            flat = torch.where(done, step.slots[b] * entries.shape[1] + (pos + 1) // r - 1,
+                               self.num_req_rows * entries.shape[1])
+            entries.view(-1)[flat] = w.to(torch.int32)
+            width = entry_width(max(e // r for e in ends), entries.shape[1], self.device)
+            write[r], table[r] = w, entries[step.slots, :width].long()
+        return StepTables(write, table)
 
     # ---- snapshots -----------------------------------------------------------------------
     def take_snapshot(self, req: RequestState) -> None:
@@ -192,8 +247,7 @@ class SglangV4Cache:
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
             return
-        self.snapshots[key] = SlotSnapshot(
-            req.num_tokens, {k: v[req.slot].clone() for k, v in self.slot_state.items()})
+        self.snapshots[key] = SlotSnapshot(req.num_tokens, self.layout.copy_out(self.slot_state, req.slot))
         self.stats["snapshots_taken"] += 1
         self._evict_snapshots()
 
@@ -236,28 +290,42 @@ class SglangV4Cache:
                 self.free_token_slots(slots)
 
     def free_token_slots(self, slots: Tensor) -> None:
+        """SGLang freed these token slots: free the entry rows they own and drop their snapshots
+        (one host sync, to learn the rows: this runs in the scheduler, between steps)."""
         if slots.numel() == 0:
             return
         if self._deferred is not None:
             self._deferred.append(slots.clone())
             return
-        slots = slots.long().cpu()
-        for r, pool in self.pools.items():
-            rows = self.entry_of_slot[r][slots]
-            pool.free(rows[rows >= 0])
-            self.entry_of_slot[r][slots] = -1
+        dev_slots = slots.to(self.device).long()
+        freed = [(r, self.entry_of_slot[r][dev_slots]) for r in RATIOS]
+        for r in RATIOS:
+            self.entry_of_slot[r][dev_slots] = -1
+        self._free_rows(freed)
         if self.snapshots:
-            for s in slots.tolist():
+            for s in slots.long().cpu().tolist():
                 if self.snapshots.pop(s, None) is not None:
                     self.stats["snapshots_dropped"] += 1
+
+    def _free_rows(self, freed: list[tuple[int, Tensor]]) -> None:
+        """Return (ratio, device rows) and the pending orphans to the host pools: one copy."""
+        freed = freed + self._orphans
+        self._orphans = []
+        if not freed:
+            return
+        host = torch.cat([rows.long() for _, rows in freed]).cpu()
+        off = 0
+        for r, rows in freed:
+            part = host[off:off + rows.numel()]
+            self.pools[r].free(part[part >= 0])
+            off += rows.numel()
 
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
         """All token slots were released together (cache flush): drop every entry and snapshot."""
-        for r, pool in self.pools.items():
-            rows = self.entry_of_slot[r]
-            pool.free(rows[rows >= 0])
-            rows.fill_(-1)
+        self._free_rows([(r, t.clone()) for r, t in self.entry_of_slot.items()])
+        for t in self.entry_of_slot.values():
+            t.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)
         self.snapshots.clear()
 
@@ -266,6 +334,51 @@ class SglangV4Cache:
         for row in rows:
             self.rows.pop(row, None)
             self.pending_forks.pop(row, None)
+
+    def check_integrity(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None) -> None:
+        """Raise AssertionError unless the side tables and pools agree (callable at any time,
+        without a flush; host syncs: not for the step).
+
+        Always: every entry row in use is owned by exactly one token slot or is a pending orphan,
+        and every owned row is in use; each bound request row's entries are rows in use. With
+        ``live_slots`` (the token slots SGLang holds: tree + running requests): every slot owning
+        an entry or a snapshot is live. With ``live_rows`` (SGLang's request rows in use): rings
+        are held exactly by those rows.
+        """
+        for r, pool in self.pools.items():
+            owned = self.entry_of_slot[r][:-1].long().cpu()
+            rows = owned[owned >= 0]
+            orphans = torch.cat([o.long().cpu() for rr, o in self._orphans if rr == r] or [torch.empty(0, dtype=torch.long)])
+            rows_all = torch.cat((rows, orphans[orphans >= 0]))
+            if rows_all.unique().numel() != rows_all.numel():
+                raise AssertionError(f"ratio {r}: an entry row is owned by two token slots")
+            in_use = pool.rows_in_use()
+            if not torch.equal(rows_all.sort().values, in_use):
+                raise AssertionError(f"ratio {r}: {in_use.numel()} entry rows in use, {rows_all.numel()} owned "
+                                     "by token slots (a leak or a row handed out twice)")
+            for row in self.rows:
+                listed = self.req_entries[r][row].long().cpu()
+                listed = listed[listed >= 0]
+                if listed.numel() and not bool(pool.in_use(listed).all()):
+                    raise AssertionError(f"request row {row}: lists a freed ratio-{r} entry row")
+            if live_slots is not None:
+                owners = torch.nonzero(owned >= 0).flatten()
+                dead = owners[~torch.isin(owners, live_slots.long().cpu())]
+                if dead.numel():
+                    raise AssertionError(f"ratio {r}: {dead.numel()} entries owned by freed token slots, "
+                                         f"e.g. slot {int(dead[0])}")
+        if live_slots is not None and self.snapshots:
+            keys = torch.tensor(list(self.snapshots), dtype=torch.long)
+            dead = keys[~torch.isin(keys, live_slots.long().cpu())]
+            if dead.numel():
+                raise AssertionError(f"{dead.numel()} snapshots on freed token slots, e.g. slot {int(dead[0])}")
+        if live_rows is not None and set(self.rows) - set(live_rows):
+            raise AssertionError(f"rings held by request rows SGLang freed: {sorted(set(self.rows) - set(live_rows))}")
+        used = self.usage()
+        parts = sum(p.num_used * p.row_bytes for p in self.pools.values())
+        if used["compressed_bytes"] != int(parts) or used["snapshot_bytes"] != sum(
+                s.nbytes for s in self.snapshots.values()):
+            raise AssertionError(f"byte gauges {used} disagree with their parts")
 
     def usage(self) -> dict[str, int]:
         """Entries, rings and snapshots held right now (for metrics and leak checks)."""

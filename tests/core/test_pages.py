@@ -34,4 +34,6 @@ def test_growth_keeps_rows_and_contents():
     more = pool.alloc(5)  # past capacity: the pool grows by whole pages
     assert pool.capacity >= 7 and not set(more.tolist()) & set(rows.tolist())
     assert torch.equal(pool.read("main", rows), layout.round(x))
-    assert pool.tensors["main"].shape == (pool.capacity // 2, layout.page_bytes)
+    # whole pages, plus the scratch page (last)
+    assert pool.tensors["main"].shape == (pool.capacity // 2 + 1, layout.page_bytes)
+    assert pool.scratch_row == pool.capacity

@@ -157,18 +157,21 @@ def test_fp8_backends_need_the_qat_model(micro):
         V4Model(cfg, w, quant_sim=False).forward(cache, [cache.new_request()], [random_ids(4, 0, cfg.vocab_size)])
 
 
-def test_decode_extra_indices_put_valid_rows_first():
-    seg = type("S", (), {})()
-    seg.comp_idx = torch.tensor([[2, -1, 0, -1, 1]])
-    seg.entry_rows = torch.tensor([10, 11, 12])
-    empty = type("S", (), {})()
-    empty.comp_idx, empty.entry_rows = torch.tensor([[-1, -1]]), torch.empty(0, dtype=torch.long)
-    ext = SparseMLABackend._entry_indices([seg, empty], torch.device("cpu"))
-    assert ext.shape == (2, 64)
-    assert ext[0, :3].tolist() == [12, 10, 11] and (ext[0, 3:] == -1).all() and (ext[1] == -1).all()
+def test_comp_rows_map_entry_indices_through_each_requests_table():
+    """Tokens of two requests: entry indices j become their request's storage rows, -1 stays -1,
+    and valid rows stay leftmost (the decode kernel's lengths count from the left)."""
+    from sglang_dsv4.core import ops
+    from sglang_dsv4.kernels.backend import AttnBatch
 
+    step = type("Step", (), {"tok_req": torch.tensor([0, 0, 1])})()
+    comp = ops.select_topk(torch.tensor([[0.5, 2.0, 1.0], [3.0, 1.0, 2.0], [1.0, 1.0, 1.0]]),
+                           torch.tensor([3, 1, 0]), 3)
+    assert comp.tolist() == [[1, 2, 0], [0, -1, -1], [-1, -1, -1]]
+    b = AttnBatch(q=None, kv=None, step=step, ring=None, ring_layout=None, comp_idx=comp,
+                  entry_table=torch.tensor([[10, 11, 12], [20, -1, -1]]), entries=None, entry_layout=None,
+                  sink=None, scale=1.0)
+    assert b.comp_rows().tolist() == [[11, 12, 10], [10, -1, -1], [-1, -1, -1]]
 
-# ---- selection -------------------------------------------------------------------------------
 
 def test_auto_selection_on_cpu_is_torch_and_logged_once(micro, caplog):
     cfg, _ = micro
