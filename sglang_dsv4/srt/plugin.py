@@ -158,17 +158,20 @@ def _after_memory_pools(result, runner, *args, **kwargs):
     """SGLang's pools exist now: size our V4 cache from them (the model holds no reference)."""
     attach = getattr(getattr(runner, "model", None), "attach_sglang_pools", None)
     if attach is not None:
+        from .state import register_serving_cache
+
         enable_metrics = bool(getattr(runner.server_args, "enable_metrics", False))
         attach(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, enable_metrics)
+        register_serving_cache(runner.model.cache)  # the one way our hooks reach it (state.py)
     return result
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):
     """Rows are known now: pass each request's wanted snapshot positions to the model's cache."""
     from .radix_cache import FORK_ATTR
-    from .state import active_cache
+    from .state import serving_cache
 
-    cache = active_cache()
+    cache = serving_cache()
     if cache is not None:
         generations = batch.req_to_token_pool.req_generation
         for req in batch.reqs:
