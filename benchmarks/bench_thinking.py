@@ -90,7 +90,6 @@ def _grammars(model_dir: str):
     """The real scheduler-side objects, built as each server builds them: SGLang's xgrammar backend
     (with our __init__ hook), wrapped by SGLang's ReasonerGrammarBackend for --reasoning-parser
     deepseek-v4, without (ours) and with (upstream) --enable-strict-thinking."""
-    import xgrammar  # noqa: F401
     from sglang.srt.constrained.reasoner_grammar_backend import ReasonerGrammarBackend
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
     from sglang.srt.parser.reasoning_parser import ReasoningParser

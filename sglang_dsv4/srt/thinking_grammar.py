@@ -47,6 +47,7 @@ class _Rows:
 
     def __init__(self, width: int, allowed_len: int, think_exclude: set[int], answer_exclude: set[int]):
         self.width = width
+        self.think_excluded, self.answer_excluded = frozenset(think_exclude), frozenset(answer_exclude)
         self.think = _mask_row(width, allowed_len, think_exclude)
         self.answer = _mask_row(width, allowed_len, answer_exclude)
         self._single: dict[int, torch.Tensor] = {}
@@ -73,9 +74,9 @@ class ThinkBudgetGrammar(BaseGrammarObject):
         self.bound, self.rows, self.answer_ctx = bound, rows, answer_ctx
         self.stop_tokens, self.override_stop_tokens = stop_tokens, override_stop_tokens
         self.key_string = key_string
-        self.grammar_stats = grammar_stats if grammar_stats is not None else GrammarStats(dispatch_type="structural_tag")
-        self._think_excluded = frozenset(bound.think_exclude)
-        self._answer_excluded = frozenset(bound.answer_exclude)
+        if grammar_stats is None:
+            grammar_stats = GrammarStats(dispatch_type="structural_tag")
+        self.grammar_stats = grammar_stats
         # xgrammar 0.2.7 keeps unlimited rollback history (its max_rollback_tokens is deprecated)
         self.matcher = None if answer_ctx is None else xgr.GrammarMatcher(
             answer_ctx, override_stop_tokens=override_stop_tokens)
@@ -92,7 +93,7 @@ class ThinkBudgetGrammar(BaseGrammarObject):
         self.current_token = token
         if self.answer_len < 0:
             forced = self.bound.forced(self.think_len)
-            allowed = token == forced if forced is not None else token not in self._think_excluded
+            allowed = token == forced if forced is not None else token not in self.rows.think_excluded
             if not allowed:
                 raise ValueError(f"token {token} not allowed after {self.think_len} think tokens "
                                  f"(forced: {forced}); key {self.key_string[:200]}")
@@ -104,7 +105,7 @@ class ThinkBudgetGrammar(BaseGrammarObject):
         if self.matcher is not None:
             if not self.matcher.accept_token(token):
                 raise ValueError(f"token {token} not accepted by the answer grammar; key {self.key_string[:200]}")
-        elif token in self._answer_excluded:
+        elif token in self.rows.answer_excluded:
             raise ValueError(f"special token {token} not allowed in the answer")
         elif token in self.stop_tokens:
             self._free_stopped = True
@@ -262,9 +263,10 @@ def prepare_backend(result, backend, tokenizer, *args, **kwargs):
     for a tokenizer with V4's ``</think>`` the reserved-specials answer compiler is built now, at
     startup (~0.3 s), instead of inside the first budgeted request."""
     specials = special_token_ids(tokenizer)
-    factory = ThinkGrammarFactory(backend._tokenizer_info, backend.vocab_size, specials, backend.override_stop_tokens)
+    factory = ThinkGrammarFactory(backend._tokenizer_info, backend.vocab_size, specials,
+                                  backend.override_stop_tokens)
     backend._dsv4_think_factory = factory
-    if getattr(tokenizer, "convert_tokens_to_ids", None) and tokenizer.convert_tokens_to_ids("</think>") == THINK_END_ID:
+    if hasattr(tokenizer, "convert_tokens_to_ids") and tokenizer.convert_tokens_to_ids("</think>") == THINK_END_ID:
         factory.answer_compiler(tuple(answer_exclusions(specials)))
     return result
 

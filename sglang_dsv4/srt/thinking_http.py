@@ -238,8 +238,10 @@ def thinking_sampling_params(params: dict, input_ids: list[int], tokenizer, serv
         budget = settings().default_budget
     if budget is None and not constrained:
         return _without_marker(params, custom, chat)  # unbounded, free answer: nothing to enforce
-    if budget is not None:
-        _check_enforceable(server_args, tokenizer, "thinking budget")
+    if enforceability_error(_server_grammar_backend(server_args), tokenizer) is not None:
+        if budget is not None:
+            _check_enforceable(server_args, tokenizer, "thinking budget")
+        return _without_marker(params, custom, chat)  # not V4's think tokens: leave it to SGLang
     if params.get("structural_tag") is not None:
         raise ThinkingRequestError("a thinking budget cannot be combined with a structural_tag constraint")
     special = special_token_ids(tokenizer)
