@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,10 +45,16 @@ def fp8_qat(x: torch.Tensor, block: int = 64, amax_floor: float = 1e-4) -> torch
     return (q * scale).flatten(-2)
 
 
+@functools.lru_cache(maxsize=16)
+def _e2m1_tables(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(magnitudes, midpoints) of e2m1 on a device, built once (a step copies no table)."""
+    mags = E2M1_VALUES[:8].to(device, dtype)
+    return mags, (mags[1:] + mags[:-1]) / 2
+
+
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e2m1 value, ties to the even code; input already within [-6, 6]."""
-    mags = E2M1_VALUES[:8].to(x.device, x.dtype)
-    midpoints = (mags[1:] + mags[:-1]) / 2
+    mags, midpoints = _e2m1_tables(str(x.device), x.dtype)
     mag = x.abs().contiguous()
     idx = torch.searchsorted(midpoints, mag)  # mag <= midpoints[idx]
     tie = (idx < 7) & (mag == midpoints[idx.clamp(max=6)])

@@ -23,7 +23,7 @@ from ..kernels.backend import AttentionBackend
 from ..kernels.dispatch import select_backend
 from .pages import EntryPagePool
 from .slot_state import SlotStateLayout
-from .step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width
+from .step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width, stage
 
 Tensor = torch.Tensor
 
@@ -149,8 +149,9 @@ class V4Cache:
             for i, (q, s, n) in enumerate(zip(reqs, starts, lens)):
                 m = (s + n) // r
                 t[i, :m] = self.entry_rows(q, r, m)
-            write[r], table[r] = rows.to(self.device), t.to(self.device)
-        return StepTables(write, table)
+            write[r], table[r] = rows, t
+        staged = stage({f"w{r}": write[r] for r in write} | {f"t{r}": table[r] for r in table}, self.device)
+        return StepTables({r: staged[f"w{r}"] for r in write}, {r: staged[f"t{r}"] for r in table})
 
     def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
         """Storage rows (in ``pools[ratio].tensors``) of the request's entries 0..num_entries-1."""

@@ -63,6 +63,17 @@ class V4Model:
         self.cfg, self.w, self.quant_sim, self.parallel = cfg, weights, quant_sim, parallel
         self.layers = [ops.layer_view(weights, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
         self.mtp = [ops.layer_view(weights, f"mtp.{m}") for m in range(cfg.num_mtp_layers)]
+        if ops.grouped_mm_available(self.device, weights["embed.weight"].dtype):
+            self._stack_experts()
+
+    def _stack_experts(self) -> None:
+        """Stacked expert matrices for the GPU's grouped GEMM; per-expert entries become views."""
+        experts = self.parallel.local_experts(self.cfg) if self.parallel else range(self.cfg.n_routed_experts)
+        views = [(f"layers.{i}", lw) for i, lw in enumerate(self.layers)] + [(f"mtp.{m}", lw) for m, lw in enumerate(self.mtp)]
+        for prefix, lw in views:
+            if f"ffn.experts.{experts.start}.w1.weight" in lw:
+                ops.stack_experts(lw, experts)
+                self.w.update({f"{prefix}.{k}": v for k, v in lw.items() if k.startswith("ffn.experts.")})
 
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()
@@ -156,7 +167,7 @@ class V4Model:
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
                    cache: V4CacheView) -> Tensor:
         cfg, qs, pos = self.cfg, self.quant_sim, step.positions
-        freqs = ops.layer_inv_freqs(cfg, ratio)
+        freqs = ops.layer_inv_freqs(cfg, ratio, self.device)
         q, qr = ops.project_q(x, w, pos, freqs, cfg)
         kv = ops.project_kv(x, w, pos, freqs, cfg, qs)
         comp_idx = table = entries = entry_layout = None

@@ -64,11 +64,17 @@ def _inv_freqs(rope_dim: int, base: float, scaling: RopeScaling | None) -> Tenso
     return freqs
 
 
-def layer_inv_freqs(cfg: V4Config, ratio: int) -> Tensor:
-    """RoPE frequencies of a layer: compress_rope_theta + YaRN if ratio > 0, else rope_theta."""
+def layer_inv_freqs(cfg: V4Config, ratio: int, device: torch.device | str = "cpu") -> Tensor:
+    """RoPE frequencies of a layer: compress_rope_theta + YaRN if ratio > 0, else rope_theta.
+    Built once per device (a step copies no table to the device)."""
     if ratio:
-        return _inv_freqs(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
-    return _inv_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+        return _device_inv_freqs(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling, str(device))
+    return _device_inv_freqs(cfg.qk_rope_head_dim, cfg.rope_theta, None, str(device))
+
+
+@lru_cache(maxsize=64)
+def _device_inv_freqs(rope_dim: int, base: float, scaling: RopeScaling | None, device: str) -> Tensor:
+    return _inv_freqs(rope_dim, base, scaling).to(device)
 
 
 def apply_rope(x: Tensor, positions: Tensor, inv_freqs: Tensor, inverse: bool = False) -> Tensor:
@@ -336,10 +342,86 @@ def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
                     experts: range) -> Tensor:
     """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the experts held here, [T, D].
 
-    The (token, slot) pairs are sorted by expert once; each expert then runs one GEMM over its
-    rows (padded like ``linear``), and the outputs are added per token in expert order. A token's
-    result depends only on its own row and routing, not on the other tokens of the batch.
+    With stacked bf16 expert matrices on a GPU (``stack_experts``): two grouped GEMMs, no host
+    sync (``_grouped_experts_mm``). Otherwise (the CPU path) the (token, slot) pairs are sorted
+    by expert once; each expert runs one GEMM over its rows (padded like ``linear``), and the
+    outputs are added per token in expert order. Either way a token's result depends only on its
+    own row and routing, not on the other tokens of the batch.
     """
+    # the grouped path holds every expert: an expert-parallel share (EP) takes the loop for now (on
+    # the H200 the grouped GEMMs over a share dropped some tokens' outputs: not yet understood)
+    if STACKED_W13 in w and x.is_cuda and len(experts) == cfg.n_routed_experts:
+        return _grouped_experts_mm(x, chosen, gates, w[STACKED_W13], w[STACKED_W2], experts, cfg.swiglu_limit)
+    return _sorted_experts(x, chosen, gates, w, cfg, experts)
+
+
+STACKED_W13, STACKED_W2 = "ffn.experts.w13", "ffn.experts.w2"  # [E_local, 2I, D], [E_local, D, I]
+GROUP_ALIGN = 16  # rows per expert group are padded to this for the grouped GEMM
+
+
+def stack_experts(w: dict[str, Tensor], experts: range) -> None:
+    """Give a layer's weights the stacked expert matrices the grouped GEMM reads, and make the
+    per-expert entries views of them (no second copy)."""
+    w13 = torch.stack([torch.cat((w[f"ffn.experts.{e}.w1.weight"], w[f"ffn.experts.{e}.w3.weight"]))
+                       for e in experts])
+    w2 = torch.stack([w[f"ffn.experts.{e}.w2.weight"] for e in experts])
+    inter = w13.shape[1] // 2
+    for i, e in enumerate(experts):
+        w[f"ffn.experts.{e}.w1.weight"], w[f"ffn.experts.{e}.w3.weight"] = w13[i, :inter], w13[i, inter:]
+        w[f"ffn.experts.{e}.w2.weight"] = w2[i]
+    w[STACKED_W13], w[STACKED_W2] = w13, w2
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here (bf16 on SM90+)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _grouped_experts_mm(x: Tensor, chosen: Tensor, gates: Tensor, w13: Tensor, w2: Tensor, experts: range,
+                        limit: float) -> Tensor:
+    """The routed experts as two ``torch._grouped_mm`` calls over expert-sorted rows.
+
+    Shapes depend only on T, k and the number of local experts (host values): each expert's rows
+    are padded to GROUP_ALIGN inside a buffer of fixed size, so there is no host sync and no
+    data-dependent allocation. Pairs routed to other ranks' experts go to a dropped row.
+    """
+    T, k = chosen.shape
+    E, P, A = w13.shape[0], chosen.numel(), GROUP_ALIGN
+    M = P + min(P, E) * (A - 1)        # room for every group's padding
+    dev = x.device
+    local = chosen.flatten() - experts.start
+    e = torch.where((local >= 0) & (local < E), local, E)            # E: not held here
+    # (torch.bincount syncs on CUDA to size its output: a scatter-add of known size does not)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, e, torch.ones_like(e))[:E]
+    padded = (counts + A - 1) // A * A
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(e, stable=True)
+    es = e[order]
+    esc = es.clamp(max=E - 1)
+    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[esc]
+    dest = torch.where(es < E, ends[esc] - padded[esc] + rank, M)     # row of each sorted pair
+    pair_of_row = torch.full((M + 1,), P, dtype=torch.long, device=dev)
+    pair_of_row[dest] = order
+    pair_of_row = pair_of_row[:M]
+    xs = torch.cat((x, x.new_zeros(1, x.shape[1])))[torch.where(pair_of_row < P, pair_of_row // k, T)]
+    offs = ends.to(torch.int32)
+    h = torch._grouped_mm(xs.to(w13.dtype), w13.transpose(-2, -1), offs=offs).to(x.dtype)
+    g, u = h.chunk(2, dim=-1)
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    gate_of_row = torch.cat((gates.flatten(), gates.new_zeros(1)))[pair_of_row]
+    y = (F.silu(g) * u) * gate_of_row[:, None]
+    out = torch._grouped_mm(y.to(w2.dtype), w2.transpose(-2, -1), offs=offs).to(x.dtype)
+    # rows past the last group are not computed: their pair index is the dropped P
+    pairs = x.new_zeros(P + 1, x.shape[1])
+    pairs[torch.where(torch.arange(M, device=dev) < ends[-1], pair_of_row, P)] = out
+    return pairs[:P].view(T, k, -1).sum(1)  # k-sum in slot order: deterministic
+
+
+def _sorted_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tensor], cfg: V4Config,
+                    experts: range) -> Tensor:
     T, k = chosen.shape
     flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)

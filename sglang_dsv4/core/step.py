@@ -177,16 +177,39 @@ def build_step(reqs: Sequence[RequestState], ids: Sequence[Tensor], starts: Sequ
     if c128 is not None and device.type == "cpu":
         c128 = _pad_segments(c128, CPU_TOKEN_TILE, scratch_slot)
 
-    def dev(x: Tensor) -> Tensor:
-        return x.to(device, non_blocking=True)
-
+    host = {"positions": positions, "tok_req": tok_req, "row0": row0, "slots": slots, "starts": st,
+            "ends": st + lens}
+    on_host = [t for t in ids if t.device.type == "cpu"]
+    if len(on_host) == len(ids) and device.type != "cpu":  # token ids from the host ride along
+        host["ids"] = torch.cat(list(ids)).long()
     if c128 is not None:
-        c128 = C128Segments(*(dev(getattr(c128, f)) for f in ("tok", "carry", "store_slot", "completes",
-                                                              "last_tok", "first_pos")), width=c128.width)
-    return StepBatch(ids=torch.cat(list(ids)).to(device), positions=dev(positions), tok_req=dev(tok_req),
-                     row0=dev(row0), slots=dev(slots), starts=dev(st), ends=dev(st + lens),
+        host.update({f"c128_{f}": getattr(c128, f).long() for f in _C128_FIELDS})
+    dev = stage(host, device)
+    if c128 is not None:
+        c128 = C128Segments(*(dev[f"c128_{f}"] if f not in ("carry", "completes") else dev[f"c128_{f}"] != 0
+                              for f in _C128_FIELDS), width=c128.width)
+    flat_ids = dev["ids"] if "ids" in dev else torch.cat([t.to(device) for t in ids])
+    return StepBatch(ids=flat_ids, positions=dev["positions"], tok_req=dev["tok_req"],
+                     row0=dev["row0"], slots=dev["slots"], starts=dev["starts"], ends=dev["ends"],
                      scratch_slot=scratch_slot, starts_host=st.tolist(), lens_host=lens.tolist(),
                      positions_host=positions, c128=c128)
+
+
+_C128_FIELDS = ("tok", "carry", "store_slot", "completes", "last_tok", "first_pos")
+
+
+def stage(host: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """Copy int64 host tensors to ``device`` as one pinned, non-blocking copy -> views of it."""
+    if device.type == "cpu":
+        return host
+    flat = torch.cat([t.flatten() for t in host.values()])
+    flat = flat.pin_memory() if torch.cuda.is_available() else flat
+    on_dev = flat.to(device, non_blocking=True)
+    out, off = {}, 0
+    for name, t in host.items():
+        out[name] = on_dev[off:off + t.numel()].view(t.shape)
+        off += t.numel()
+    return out
 
 
 def _c128_segments(starts: Tensor, lens: Tensor, row0: Tensor, slots: Tensor, scratch_slot: int) -> C128Segments:

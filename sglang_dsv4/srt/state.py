@@ -35,7 +35,7 @@ from ..config import V4Config
 from ..core.cache import RequestState
 from ..core.pages import EntryRowPool
 from ..core.slot_state import SlotStateLayout
-from ..core.step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width
+from ..core.step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width, stage
 from ..kernels.backend import AttentionBackend
 from ..kernels.dispatch import select_backend
 from .pool_sizing import ENTRY_PAGE_ROWS, default_snapshot_budget_bytes
@@ -223,7 +223,7 @@ class SglangV4Cache:
             host_pos = step.positions_host
             w = torch.full((host_pos.numel(),), pool.scratch_row, dtype=torch.long)
             w[completing_tokens(host_pos, r)] = rows
-            w = w.to(self.device, non_blocking=True)
+            w = stage({"w": w}, self.device)["w"]
             done = completing_tokens(pos, r)
             slot_idx = torch.where(done, tok_slot, self.num_token_slots)
             if not step.is_decode:  # a slot written again drops its old entry (freed later)
@@ -323,7 +323,7 @@ class SglangV4Cache:
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
         """All token slots were released together (cache flush): drop every entry and snapshot."""
-        self._free_rows([(r, t.clone()) for r, t in self.entry_of_slot.items()])
+        self._free_rows([(r, t[:-1].clone()) for r, t in self.entry_of_slot.items()])  # not the scratch
         for t in self.entry_of_slot.values():
             t.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)

@@ -1,0 +1,308 @@
+"""Decode-step speed on the GPU, in-process: this tree's batched step vs an older code path.
+
+    python -m benchmarks.bench_decode [--old-root DIR] [--configs tiny,flash8] [--batches 1,8,64]
+        [--contexts 1024,16384] [--steps 20] [--out FILE.md]
+
+For each config x batch x context: one request is prefilled to the context, B requests resume
+from its snapshot (sharing its compressed entries), and decode steps are timed. The new path runs
+over the serving cache (``srt.state.SglangV4Cache``, device-resident tables) driven as SGLang
+drives it; the old path (``--old-root``: a ``sglang_dsv4`` package of an earlier commit, imported
+as ``sglang_dsv4_old``, e.g. ``git archive 521fd56 sglang_dsv4``) over its reference cache. Both
+share one set of random bf16 weights and run in this one process, side by side.
+
+Columns: step ms (median over ``--steps`` after warm-up), tok/s (B / step), kernel launches and
+host syncs per step and GPU busy % (torch profiler over 3 steps: CUDA kernel time / wall time),
+the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
+the window and the compressed entries it attends to, the indexer keys it scores; over the
+device-to-device copy bandwidth measured in the same run) and step / roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
+from sglang_dsv4.config import V4Config
+from sglang_dsv4.core.model import V4Model, weight_dtypes
+from sglang_dsv4.kernels.kv_layout import V4_TOKEN_BYTES
+from sglang_dsv4.srt.state import SglangV4Cache
+from sglang_dsv4.tiny import PRESETS
+
+FLASH_LAYERS = {  # V4-Flash dimensions (the V4Config defaults), cut in depth and experts to fit
+    "flash8": dict(num_hidden_layers=8, compress_ratios=[0, 0, 4, 128, 4, 128, 4, 128, 0], n_routed_experts=32),
+    "flash43": dict(num_hidden_layers=43, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], n_routed_experts=8),
+}
+
+
+def make_config(name: str, max_len: int) -> V4Config:
+    if name in PRESETS:
+        d = dict(PRESETS[name])
+    else:
+        d = dict(FLASH_LAYERS[name], num_nextn_predict_layers=1)
+    d["max_position_embeddings"] = max(max_len, d.get("max_position_embeddings", 0))
+    d.pop("quantization_config", None)
+    return V4Config.from_dict(d)
+
+
+def random_weights(cfg: V4Config, device: str, matmul_dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random logical weights made on the device (the rules of ``tiny``'s init, scaled alike)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dtype_of = weight_dtypes(matmul_dtype)
+    out = {}
+    for spec in checkpoint_tensors(cfg):
+        name, shape, leaf = spec.name, spec.shape, spec.name.rsplit(".", 1)[-1]
+        if spec.storage is Storage.INT64:
+            vocab, k = shape
+            out[name] = torch.rand(vocab, cfg.n_routed_experts, generator=g, device=device).argsort(1)[:, :k].contiguous()
+            continue
+        t = torch.randn(shape, generator=g, device=device)
+        if name == "embed.weight" or leaf == "attn_sink":
+            pass
+        elif name.endswith("norm.weight"):
+            t = 1 + 0.1 * t
+        elif leaf.startswith("hc_") and leaf.endswith("_base"):
+            t = 0.5 * t
+        elif leaf.startswith("hc_") and leaf.endswith("_scale"):
+            t = 0.5 + torch.rand(shape, generator=g, device=device)
+        elif leaf == "ape":
+            t = 0.5 * t
+        elif name.endswith("gate.bias"):
+            t = 0.1 * t
+        else:
+            t = t * shape[1] ** -0.5
+        out[name] = t.to(dtype_of(name))
+    return out
+
+
+# ---- the roofline --------------------------------------------------------------------------
+
+def step_bytes(cfg: V4Config, w: dict[str, torch.Tensor], batch: int, ctx: int) -> int:
+    """Bytes a decode step of ``batch`` requests at context ``ctx`` must read."""
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    expert = {}
+    total = 0
+    for name, t in w.items():
+        if ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
+            layer = name.split(".ffn.")[0]
+            expert[layer] = expert.get(layer, 0) + nbytes(t)  # all experts of the layer
+        elif name == "embed.weight":
+            total += batch * t.shape[1] * t.element_size()
+        elif name.startswith("mtp."):
+            continue  # decode runs the main model
+        else:
+            total += nbytes(t)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** batch)  # expected distinct experts per layer (random routing)
+    total += sum(b / E * touched for layer, b in expert.items() if layer.startswith("layers."))
+    for r in cfg.layer_ratios:
+        kv = cfg.sliding_window * V4_TOKEN_BYTES
+        if r == 4:
+            n = ctx // 4
+            kv += n * (cfg.index_head_dim + 4) + min(n, cfg.index_topk) * V4_TOKEN_BYTES
+        elif r == 128:
+            kv += ctx // 128 * V4_TOKEN_BYTES
+        total += batch * kv
+    return total
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second) of 2 GiB."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (time.perf_counter() - t)
+
+
+# ---- driving the two code paths ----------------------------------------------------------------
+
+class NewPath:
+    """This tree: the batched step over the serving cache, slots handed out as SGLang does."""
+
+    name = "batched"
+
+    def __init__(self, cfg, w, batch: int, ctx: int, steps: int, device: str):
+        self.model = V4Model(cfg, w)
+        max_len = ctx + steps + 8
+        self.cache = SglangV4Cache(cfg, batch + 1, (batch + 1) * (steps + 8) + ctx + 64, max_seq_len=max_len,
+                                   device=device)
+        self.cache.req_to_token = torch.zeros(batch + 1, max_len, dtype=torch.int32, device=device)
+        self.next_slot, self.batch, self.ctx, self.device = 1, batch, ctx, device
+        self.gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def _slots(self, n: int) -> torch.Tensor:
+        out = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32)
+        self.next_slot += n
+        return out.to(self.device)
+
+    def prefill(self, chunk: int) -> None:
+        c = self.cache
+        c.req_to_token[0, :self.ctx] = self._slots(self.ctx)
+        st = c.bind(0, 1, 0)
+        ids = torch.randint(0, self.model.cfg.vocab_size, (self.ctx,), generator=self.gen)
+        for p in range(0, self.ctx, chunk):
+            self.model.forward(c, [st], [ids[p:p + chunk].to(self.device)])
+        c.take_snapshot(st)
+        self.states = []
+        for b in range(1, self.batch + 1):
+            c.req_to_token[b, :self.ctx] = c.req_to_token[0, :self.ctx]
+            self.states.append(c.bind(b, 1, self.ctx))
+        self.ids = torch.randint(0, self.model.cfg.vocab_size, (self.batch, 1), generator=self.gen).to(self.device)
+
+    def step(self) -> None:
+        c = self.cache
+        pos = self.states[0].num_tokens
+        rows = torch.arange(1, self.batch + 1, device=self.device)
+        c.req_to_token[rows, pos] = self._slots(self.batch)
+        out = self.model.forward(c, self.states, list(self.ids))
+        self.ids = torch.stack([o[-1:].argmax(-1) for o in out])
+
+
+class OldPath:
+    """An earlier tree (per-request loops) over its reference cache, for the before column."""
+
+    name = "before"
+
+    def __init__(self, pkg, cfg, w, batch: int, ctx: int, steps: int, device: str):
+        self.pkg = pkg
+        cfg = pkg.config.V4Config.from_dict(cfg.to_dict())  # its own config class (its own errors)
+        self.model = pkg.core.model.V4Model(cfg, w)
+        self.cache = pkg.core.cache.V4Cache(cfg, max_requests=batch + 1, max_total_tokens=ctx + (batch + 1) * (steps + 8),
+                                            max_seq_len=ctx + steps + 8, device=device)
+        self.batch, self.ctx, self.device = batch, ctx, device
+        self.gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def prefill(self, chunk: int) -> None:
+        c = self.cache
+        origin = c.new_request()
+        ids = torch.randint(0, self.model.cfg.vocab_size, (self.ctx,), generator=self.gen)
+        for p in range(0, self.ctx, chunk):
+            self.model.forward(c, [origin], [ids[p:p + chunk].to(self.device)])
+        snap = c.snapshot(origin)
+        self.states = [c.restore(snap) for _ in range(self.batch)]
+        self.ids = torch.randint(0, self.model.cfg.vocab_size, (self.batch, 1), generator=self.gen).to(self.device)
+
+    def step(self) -> None:
+        out = self.model.forward(self.cache, self.states, list(self.ids))
+        self.ids = torch.stack([o[-1:].argmax(-1) for o in out])
+
+
+def profile_step(path, n: int = 3) -> tuple[float, float, float]:
+    """(kernel launches, host syncs, GPU busy %) per step, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(n):
+            path.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    launches = syncs = 0
+    busy = 0.0
+    for e in prof.events():
+        name = e.name
+        if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+            launches += 1
+        elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+            syncs += 1
+        elif name == "cudaMemcpy" or (name == "cudaMemcpyAsync" and False):
+            syncs += 1
+        if e.device_type.name == "CUDA":
+            busy += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    # the final synchronize above is the harness's own
+    return launches / n, max(syncs - 1, 0) / n, 100 * busy / 1e6 / wall
+
+
+def time_steps(path, steps: int) -> float:
+    for _ in range(3):
+        path.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        path.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old-root", type=Path, default=None,
+                    help="folder holding sglang_dsv4_old/ (an earlier commit's package)")
+    ap.add_argument("--configs", default="tiny,flash8")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--contexts", default="1024,16384")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--old-max-batch", type=int, default=64, help="skip the old path above this batch")
+    ap.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device = "cuda"
+    t_start = time.perf_counter()
+    old = None
+    if args.old_root is not None:
+        sys.path.insert(0, str(args.old_root))
+        old = importlib.import_module("sglang_dsv4_old")
+        for sub in ("config", "core.model", "core.cache"):
+            importlib.import_module(f"sglang_dsv4_old.{sub}")
+    bw = copy_bandwidth(device)
+    rows = []
+    header = ("| config | batch | context | path | step ms | tok/s | launches/step | syncs/step | GPU busy % "
+              "| roofline ms | step / roofline | vs before |")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    print(header + "\n" + "|---" * 12 + "|", flush=True)
+    for cname in args.configs.split(","):
+        contexts = [int(c) for c in args.contexts.split(",")]
+        cfg = make_config(cname, max(contexts) + args.steps + 64)
+        w = random_weights(cfg, device, torch.bfloat16)
+        for ctx in contexts:
+            for batch in [int(b) for b in args.batches.split(",")]:
+                if time.perf_counter() - t_start > args.budget_s:
+                    print(f"(budget reached: {cname} B={batch} ctx={ctx} and later cases not run)", flush=True)
+                    break
+                roof = step_bytes(cfg, w, batch, ctx) / bw
+                before = None
+                paths = []
+                if old is not None and batch <= args.old_max_batch:
+                    paths.append(lambda: OldPath(old, cfg, w, batch, ctx, args.steps, device))
+                paths.append(lambda: NewPath(cfg, w, batch, ctx, args.steps, device))
+                for make in paths:
+                    path = make()
+                    path.prefill(2048)
+                    ms = time_steps(path, args.steps) * 1e3
+                    launches, syncs, busy = profile_step(path)
+                    ratio = "" if before is None else f"{before / ms:.1f}x"
+                    if path.name == "before":
+                        before = ms
+                    line = (f"| {cname} | {batch} | {ctx} | {path.name} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
+                            f"{launches:.0f} | {syncs:.1f} | {busy:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {ratio} |")
+                    rows.append(line)
+                    print(line, flush=True)
+                    del path
+                    torch.cuda.empty_cache()
+        del w
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 12 + "|\n" + "\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
