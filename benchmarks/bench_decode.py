@@ -10,7 +10,8 @@ drives it; the old path (``--old-root``: a ``sglang_dsv4`` package of an earlier
 as ``sglang_dsv4_old``, e.g. ``git archive 521fd56 sglang_dsv4``) over its reference cache. Both
 share one set of random bf16 weights and run in this one process, side by side.
 
-Columns: step ms (median over ``--steps`` after warm-up), tok/s (B / step), kernel launches and
+Paths: ``before`` (the old package), ``batched`` (this tree, eager), ``graphs`` (this tree, decode
+replayed from CUDA graphs, ``V4Model.enable_cuda_graphs``). Columns: step ms (median over ``--steps`` after warm-up), tok/s (B / step), kernel launches and
 host syncs per step and GPU busy % (torch profiler over 3 steps: CUDA kernel time / wall time),
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
@@ -134,10 +135,11 @@ def copy_bandwidth(device: str) -> float:
 class NewPath:
     """This tree: the batched step over the serving cache, slots handed out as SGLang does."""
 
-    name = "batched"
-
-    def __init__(self, cfg, w, batch: int, ctx: int, steps: int, device: str):
+    def __init__(self, cfg, w, batch: int, ctx: int, steps: int, device: str, graphs: bool = False):
         self.model = V4Model(cfg, w)
+        self.name = "graphs" if graphs else "batched"
+        if graphs:
+            self.model.enable_cuda_graphs()
         max_len = ctx + steps + 8
         self.cache = SglangV4Cache(cfg, batch + 1, (batch + 1) * (steps + 8) + ctx + 64, max_seq_len=max_len,
                                    device=device)
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--old-max-batch", type=int, default=64, help="skip the old path above this batch")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
+    ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph path")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     device = "cuda"
@@ -283,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 if old is not None and batch <= args.old_max_batch:
                     paths.append(lambda: OldPath(old, cfg, w, batch, ctx, args.steps, device))
                 paths.append(lambda: NewPath(cfg, w, batch, ctx, args.steps, device))
+                if not args.no_graphs:
+                    paths.append(lambda: NewPath(cfg, w, batch, ctx, args.steps, device, graphs=True))
                 for make in paths:
                     path = make()
                     path.prefill(2048)

@@ -65,6 +65,16 @@ class V4Model:
         self.mtp = [ops.layer_view(weights, f"mtp.{m}") for m in range(cfg.num_mtp_layers)]
         if ops.grouped_mm_available(self.device, weights["embed.weight"].dtype):
             self._stack_experts()
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() is called
+
+    def enable_cuda_graphs(self, max_batch: int = 256) -> None:
+        """Replay decode steps of up to ``max_batch`` requests from CUDA graphs (captured per batch
+        bucket and entry-table widths on first use; ``core.graphs``)."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
+        from .graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch)
 
     def _stack_experts(self) -> None:
         """Stacked expert matrices for the GPU's grouped GEMM; per-expert entries become views."""
@@ -91,7 +101,11 @@ class V4Model:
                           self.device, with_c128=bool(self.cfg.c128_layers))
         step.tables = cache.step_tables(reqs, step)
         step = self._pad(cache, step)
-        h = self.forward_step(cache, step)
+        h = None
+        if self.graphs is not None and step.is_decode:
+            h = self.graphs.run(cache, step)  # None: no bucket this large, run eagerly
+        if h is None:
+            h = self.forward_step(cache, step)
         for req, n in zip(reqs, step.real_lens):
             req.num_tokens += n
         return self._outputs(h, step, return_streams, return_hidden)
