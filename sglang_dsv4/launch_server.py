@@ -4,7 +4,9 @@
 
 ``--dsv4-snapshot-budget-mb N`` bounds the memory of fork-point snapshots (LRU beyond it);
 ``--dsv4-attention-backend {auto,torch,torch-fp8,flashmla}`` picks the cache's storage format and
-attention kernel (auto: FlashMLA on SM90/SM100 GPUs, float32 rows and torch elsewhere).
+attention kernel (auto: FlashMLA on SM90/SM100 GPUs, float32 rows and torch elsewhere);
+``--dsv4-cuda-graph-max-bs N`` replays decode steps of up to N requests from CUDA graphs on a GPU
+(default: SGLang's max running requests; 0 turns them off, as SGLang's ``--disable-cuda-graph`` does).
 ``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
@@ -21,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from .srt.pool_sizing import ATTENTION_BACKEND_KEY, SNAPSHOT_BUDGET_KEY
+from .srt.pool_sizing import ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, SNAPSHOT_BUDGET_KEY
 
 TINY_PRESETS = ("micro", "tiny")
 # SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
@@ -112,10 +114,21 @@ def _attention_backend(flag: str, value: str) -> str:
     return value
 
 
+def _graph_max_bs(flag: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise SystemExit(f"{flag}: expected a batch size (0 = no CUDA graphs), got {value!r}") from None
+    if n < 0:
+        raise SystemExit(f"{flag}: must be >= 0, got {value}")
+    return n
+
+
 # our flags -> (model config override key our model reads, value parser)
 DSV4_FLAGS = {
     "--dsv4-snapshot-budget-mb": (SNAPSHOT_BUDGET_KEY, _budget_mb),
     "--dsv4-attention-backend": (ATTENTION_BACKEND_KEY, _attention_backend),
+    "--dsv4-cuda-graph-max-bs": (CUDA_GRAPH_MAX_BS_KEY, _graph_max_bs),
 }
 
 

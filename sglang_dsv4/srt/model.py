@@ -18,7 +18,7 @@ from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
 from ..core.model import V4Model, weight_dtypes
 from ..core.parallel import ModelParallel, TensorSharder
-from .pool_sizing import SNAPSHOT_BUDGET_KEY, cache_backend
+from .pool_sizing import CUDA_GRAPH_MAX_BS_KEY, SNAPSHOT_BUDGET_KEY, cache_backend
 from .state import SglangV4Cache
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,30 @@ class DeepseekV4ForCausalLM(nn.Module):
                 if states[i].num_tokens in points[i]:
                     cache.take_snapshot(states[i])
         return torch.cat([torch.cat(o) for o in outputs]).to(self.lm_head.weight.dtype)
+
+    def enable_decode_graphs(self, server_args) -> None:
+        """CUDA graphs of our decode step (``core.graphs``), on a GPU unless turned off.
+
+        SGLang's own graph runner is off for us (torch_native attention, patches/server-arg-
+        overrides.md), so its flags are read here: ``--disable-cuda-graph`` turns ours off,
+        ``--cuda-graph-max-bs`` bounds the batch; our model override key ``dsv4_cuda_graph_max_bs``
+        (``--dsv4-cuda-graph-max-bs``) wins over both. Default: up to the max running requests."""
+        if self.core is None or self.core.device.type != "cuda":
+            return
+        max_bs = getattr(self.config, CUDA_GRAPH_MAX_BS_KEY, None)
+        if max_bs is None:
+            if getattr(server_args, "disable_cuda_graph", False):
+                max_bs = 0
+            else:
+                max_bs = (getattr(server_args, "cuda_graph_max_bs_decode", None)
+                          or getattr(server_args, "cuda_graph_max_bs", None)
+                          or self.cache.num_req_rows)
+        if int(max_bs) <= 0:
+            logger.info("sglang_dsv4: CUDA graphs of the decode step are off")
+            return
+        self.core.enable_cuda_graphs(int(max_bs))
+        logger.info("sglang_dsv4: CUDA graphs of the decode step on, batch buckets %s (captured on first use)",
+                    list(self.core.graphs.buckets))
 
     def attach_sglang_pools(self, req_to_token_pool, token_allocator, enable_metrics: bool = False) -> None:
         """Build the V4 cache beside SGLang's pools: one slot state per request row, one entry

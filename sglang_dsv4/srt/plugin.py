@@ -163,6 +163,7 @@ def _after_memory_pools(result, runner, *args, **kwargs):
         enable_metrics = bool(getattr(runner.server_args, "enable_metrics", False))
         attach(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, enable_metrics)
         register_serving_cache(runner.model.cache)  # the one way our hooks reach it (state.py)
+        runner.model.enable_decode_graphs(runner.server_args)
     return result
 
 
