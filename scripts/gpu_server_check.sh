@@ -40,6 +40,7 @@ python3 -m sglang.launch_server --model-path "$MODEL" --port "$PORT" \
   --sampling-backend pytorch --mem-fraction-static 0.5 "${EXTRA[@]}" ${SERVER_ARGS:-} >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+# SERVER_ARGS: more server arguments; SWEEP / SWEEP_LABEL: a throughput sweep after the checks
 healthy() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2>/dev/null; }
 for _ in $(seq 300); do
   healthy && break
@@ -107,5 +108,10 @@ for name, ok in checks.items():
 sys.exit(0 if all(checks.values()) else 1)
 EOF
 rc=$?
+if [ -n "${SWEEP:-}" ]; then  # e.g. SWEEP="--concurrency 1,8,64": throughput at those concurrencies
+  echo "--- sweep (${SWEEP_LABEL:-server})"
+  python3 -m benchmarks.serve_sweep --port "$PORT" --label "${SWEEP_LABEL:-server}" $SWEEP 2>&1 | tee -a "$OUT/sweep.md"
+  grep -E "captured the decode step|CUDA graphs of the decode" "$OUT/server.log" | cut -c1-300 | head -20
+fi
 echo "--- server log: $OUT/server.log; exit status $rc"
 exit $rc
