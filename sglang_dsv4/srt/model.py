@@ -158,6 +158,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             from .metrics import V4CacheMetrics
 
             self.metrics = V4CacheMetrics(self.cache)
+            self.cache.metrics = self.metrics
         budget = self.cache.snapshot_budget_bytes
         logger.info("sglang_dsv4 memory: attention %s; rings + compressor state %d B (%d request rows x %d B, a "
                     "%d-token window each); compressed entries %d B (C4 %d B + C128 %d B, for %d "

@@ -49,6 +49,9 @@ def register() -> None:
         _after_memory_pools, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
                           _after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_req_pool",
+        _after_idle_pool_check, HookType.AFTER)
     from . import thinking_hooks
 
     thinking_hooks.register(HookRegistry, HookType)  # the think budget (patches/thinking-budget.md)
@@ -181,6 +184,30 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
                 continue
             for position in getattr(req, FORK_ATTR, None) or []:
                 cache.want_snapshot(row, int(generations[row]), position)
+    return result
+
+
+def _after_idle_pool_check(result, checker, *args, **kwargs):
+    """SGLang's idle self-check ran its pool checks: check our cache against what SGLang holds
+    (the radix tree's token slots, the request rows in use), with the tree still populated."""
+    from .state import serving_cache
+
+    cache = serving_cache()
+    if cache is not None:
+        import torch
+
+        from .radix_cache import SnapshotRadixCache
+
+        tree = getattr(checker, "tree_cache", None)
+        live = None  # another tree (radix cache off): no liveness check, the rest still runs
+        if isinstance(tree, SnapshotRadixCache) and not tree.disable:
+            # (upstream's all_values_flatten fails on an empty tree)
+            live = tree.all_values_flatten() if tree.evictable_size() + tree.protected_size() > 0 \
+                else torch.empty(0, dtype=torch.long)
+        pool = checker.req_to_token_pool
+        free = set(int(r) for r in pool.free_slots)
+        rows = [r for r in range(pool.req_to_token.shape[0]) if r not in free]
+        cache.run_integrity_check(live_slots=live, live_rows=rows)
     return result
 
 

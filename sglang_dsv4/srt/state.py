@@ -131,7 +131,10 @@ class SglangV4Cache:
         self.req_to_token: Tensor | None = None
         self._deferred: list[Tensor] | None = None
         self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
-                      "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0}
+                      "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
+                      "integrity_checks": 0, "integrity_failures": 0}
+        self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
+        self._steps, self._checked_at_step = 0, -1  # forward steps so far; at the last idle check
 
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
@@ -212,6 +215,7 @@ class SglangV4Cache:
         Rows come from the host pools by count (lengths are on the host); the slot -> row table
         and the request rows' entry lists are appended on the device by scatters whose
         non-completing tokens write the tables' scratch element."""
+        self._steps += 1
         pos, b = step.positions, step.tok_req
         tok_slot = self.req_to_token[step.slots[b].to(self.req_to_token.device),
                                      pos.to(self.req_to_token.device)].to(self.device).long()
@@ -328,6 +332,7 @@ class SglangV4Cache:
             t.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)
         self.snapshots.clear()
+        self._steps += 1  # the state changed: the next idle check runs (and refreshes the gauges)
 
     def release_rows(self, rows: list[int]) -> None:
         """SGLang freed these request rows: their rings are no longer in use."""
@@ -346,8 +351,10 @@ class SglangV4Cache:
         are held exactly by those rows.
         """
         for r, pool in self.pools.items():
-            owned = self.entry_of_slot[r][:-1].long().cpu()
-            rows = owned[owned >= 0]
+            table = self.entry_of_slot[r][:-1]
+            owners = torch.nonzero(table >= 0).flatten()  # device scan; only owned entries come back
+            rows = table[owners].long().cpu()
+            owners = owners.cpu()
             orphans = torch.cat([o.long().cpu() for rr, o in self._orphans if rr == r] or [torch.empty(0, dtype=torch.long)])
             rows_all = torch.cat((rows, orphans[orphans >= 0]))
             if rows_all.unique().numel() != rows_all.numel():
@@ -362,7 +369,6 @@ class SglangV4Cache:
                 if listed.numel() and not bool(pool.in_use(listed).all()):
                     raise AssertionError(f"request row {row}: lists a freed ratio-{r} entry row")
             if live_slots is not None:
-                owners = torch.nonzero(owned >= 0).flatten()
                 dead = owners[~torch.isin(owners, live_slots.long().cpu())]
                 if dead.numel():
                     raise AssertionError(f"ratio {r}: {dead.numel()} entries owned by freed token slots, "
@@ -379,6 +385,29 @@ class SglangV4Cache:
         if used["compressed_bytes"] != int(parts) or used["snapshot_bytes"] != sum(
                 s.nbytes for s in self.snapshots.values()):
             raise AssertionError(f"byte gauges {used} disagree with their parts")
+
+    def run_integrity_check(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None) -> bool:
+        """``check_integrity`` as SGLang's idle self-check runs it: counted (``integrity_checks``,
+        ``integrity_failures``), a failure logged and raised only under SGLang's strict idle
+        memory check (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``), as its own leak checks do."""
+        if self._steps == self._checked_at_step:
+            return True  # nothing ran since the last check (SGLang checks every idle iteration)
+        self._checked_at_step = self._steps
+        self.stats["integrity_checks"] += 1
+        ok = True
+        try:
+            self.check_integrity(live_slots, live_rows)
+        except AssertionError as e:
+            ok = False
+            self.stats["integrity_failures"] += 1
+            logger.error("sglang_dsv4 cache integrity check failed: %s", e)
+            import os
+
+            if os.environ.get("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "").lower() in ("1", "true"):
+                raise
+        if self.metrics is not None:
+            self.metrics.update()
+        return ok
 
     def usage(self) -> dict[str, int]:
         """Entries, rings and snapshots held right now (for metrics and leak checks)."""

@@ -291,15 +291,24 @@ def test_metrics_aborts_evictions_and_idle_pools(servers):
     assert m["sglang_dsv4:snapshots_restored_total"] > 0
     assert m["sglang_dsv4:prompt_tokens_cached_total"] > 0 and m["sglang_dsv4:prompt_tokens_computed_total"] > 0
     assert m["sglang_dsv4:snapshot_bytes"] <= 2 * 2**20
+    # idle with the tree populated: SGLang's idle self-check ran our integrity check (entries
+    # owned exactly by live token slots, snapshots on live slots, rings only on rows in use,
+    # byte gauges = their parts) and it found nothing; no ring outlives its request
+    assert m["sglang_dsv4:integrity_checks_total"] > 0
+    assert m["sglang_dsv4:integrity_failures_total"] == 0
+    assert m["sglang_dsv4:rings_in_use"] == 0
+    assert m["sglang_dsv4:compressed_pool_bytes"] > 0  # the tree still holds its prefixes
     # with nothing running and the tree flushed, every token slot is back: no entry, no
-    # snapshot and no ring may remain
+    # snapshot and no ring may remain (the idle check after the flush refreshes the gauges)
+    checks = m["sglang_dsv4:integrity_checks_total"]
     assert requests.post(on.url + "/flush_cache", timeout=60).status_code == 200
-    on.generate([0, 1, 2], max_new_tokens=1)  # a forward refreshes the gauges
-    requests.post(on.url + "/flush_cache", timeout=60)
-    on.generate([0, 3], max_new_tokens=1)
+    deadline = time.time() + 30
+    while _metrics(on)["sglang_dsv4:integrity_checks_total"] == checks and time.time() < deadline:
+        time.sleep(0.5)
     m = _metrics(on)
-    assert m["sglang_dsv4:rings_in_use"] <= 1  # the request of that last forward
+    assert m["sglang_dsv4:integrity_checks_total"] > checks and m["sglang_dsv4:integrity_failures_total"] == 0
+    assert m["sglang_dsv4:rings_in_use"] == 0
     assert m["sglang_dsv4:snapshot_bytes"] == 0
     assert m["sglang_dsv4:compressed_pool_bytes"] == 0
     log = on.log().lower()
-    assert "leak" not in log and "traceback" not in log
+    assert "leak" not in log and "traceback" not in log and "integrity check failed" not in log
