@@ -96,14 +96,21 @@ def cpu_arguments(args: list[str]) -> list[str]:
     return list(args) + extra
 
 
-def _budget_mb(flag: str, value: str) -> float:
-    try:
-        mb = float(value)
-    except ValueError:
-        raise SystemExit(f"{flag}: expected a number of MiB, got {value!r}") from None
-    if mb < 0:
-        raise SystemExit(f"{flag}: must be >= 0, got {value}")
-    return mb
+def _non_negative(parse, what: str):
+    """A value parser: ``parse(value)`` >= 0, else an exit naming the flag and ``what`` it wants."""
+    def parser(flag: str, value: str):
+        try:
+            x = parse(value)
+        except ValueError:
+            raise SystemExit(f"{flag}: expected {what}, got {value!r}") from None
+        if x < 0:
+            raise SystemExit(f"{flag}: must be >= 0, got {value}")
+        return x
+    return parser
+
+
+_budget_mb = _non_negative(float, "a number of MiB")
+_graph_max_bs = _non_negative(int, "a batch size (0 = no CUDA graphs)")
 
 
 def _attention_backend(flag: str, value: str) -> str:
@@ -113,15 +120,6 @@ def _attention_backend(flag: str, value: str) -> str:
         raise SystemExit(f"{flag}: expected one of {', '.join(BACKEND_NAMES)}, got {value!r}")
     return value
 
-
-def _graph_max_bs(flag: str, value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise SystemExit(f"{flag}: expected a batch size (0 = no CUDA graphs), got {value!r}") from None
-    if n < 0:
-        raise SystemExit(f"{flag}: must be >= 0, got {value}")
-    return n
 
 
 # our flags -> (model config override key our model reads, value parser)

@@ -36,6 +36,17 @@ class Server:
         self.next += n
 
 
+def _prefill_all(model, srv, prompts):
+    """Each prompt prefilled alone in its own row -> the request states."""
+    states = []
+    for i, p in enumerate(prompts):
+        srv.slots(i, 0, p.numel())
+        st = srv.cache.bind(i, 1, 0)
+        model.forward(srv.cache, [st], [p.to(DEV)])
+        states.append(st)
+    return states
+
+
 def _decode(model, srv, rows, states, ids):
     for r, st in zip(rows, states):
         srv.slots(r, st.num_tokens, 1)
@@ -53,12 +64,7 @@ def test_batched_decode_equals_each_request_alone(tiny_gpu):
 
     def run(batched: bool):
         srv = Server(cfg, len(prompts) + 1)
-        states = []
-        for i, p in enumerate(prompts):
-            srv.slots(i, 0, p.numel())
-            st = srv.cache.bind(i, 1, 0)
-            model.forward(srv.cache, [st], [p.to(DEV)])
-            states.append(st)
+        states = _prefill_all(model, srv, prompts)
         out = []
         for t in range(tails.shape[1]):
             if batched:
@@ -150,12 +156,7 @@ def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu):
         if graphs:
             model.enable_cuda_graphs(max_batch=16)
         srv = Server(cfg, 9)
-        states = []
-        for i, p in enumerate(prompts):
-            srv.slots(i, 0, p.numel())
-            st = srv.cache.bind(i, 1, 0)
-            model.forward(srv.cache, [st], [p.to(DEV)])
-            states.append(st)
+        states = _prefill_all(model, srv, prompts)
         outs.append(torch.stack([torch.cat(_decode(model, srv, range(8), states, tails[:, t]))
                                  for t in range(tails.shape[1])]))
         if graphs:
