@@ -23,6 +23,11 @@ What the design shares and what it keeps per request:
 - ``snapshot_bytes``: window + compressor state, i.e. what a fork-point snapshot holds.
 
 Run ``python -m sglang_dsv4.memory --config PATH`` (a ``config.json`` or a checkpoint directory).
+Besides one object per cache layout, the output has ``"weights"`` (``weight_bytes``: one rank's
+weight bytes per weight mode at ``--tp-size`` / ``--ep-size``) and ``"pool_plan"``: per weight mode,
+what is left of a ``--gpu-gb`` GPU after the weights and a fixed ``--reserve-gb`` for activations
+and workspace, split by ``srt.pool_sizing.plan_pools`` into request rows (rings), snapshots and
+token slots in FlashMLA's fp8 cache layout (default rows and snapshot budget, as served).
 """
 
 from __future__ import annotations
@@ -37,9 +42,17 @@ from typing import Any, Sequence
 
 from .config import FP8_QAT_BLOCK, ConfigError, V4Config
 from .core.slot_state import SlotStateLayout
+from .weight_bytes import MODES, weight_bytes
 
 LAYOUTS = ("bf16", "fp8", "fp32")
 FP32_BYTES = 4
+GIB = 2**30
+DEFAULT_GPU_GB = 140.0
+# Per-GPU room kept outside weights and cache: activations of a prefill chunk, CUDA-graph pools,
+# NCCL buffers, the allocator's fragmentation. A fixed, deliberately round figure (SGLang's
+# default --mem-fraction-static leaves ~10-15% of a 141 GB H200 for the same things).
+DEFAULT_RESERVE_GB = 12.0
+POOL_PLAN_BACKEND = "torch-fp8"  # FlashMLA's fp8 storage layout, selectable on a CPU
 
 
 @dataclass(frozen=True)
@@ -140,13 +153,58 @@ def all_layouts(cfg: V4Config) -> dict[str, dict[str, Any]]:
     return {layout: cache_bytes(cfg, layout).to_dict() for layout in LAYOUTS}
 
 
+def pool_plans(cfg: V4Config, tp_size: int = 1, ep_size: int = 1, gpu_gb: float = DEFAULT_GPU_GB,
+               reserve_gb: float = DEFAULT_RESERVE_GB) -> dict[str, dict[str, Any]]:
+    """Per weight mode: the KV bytes a ``gpu_gb`` GiB GPU keeps after one rank's weights and
+    ``reserve_gb`` GiB, and ``plan_pools``' split of them (FlashMLA fp8 layouts, default rows and
+    snapshot budget); ``"fits": False`` with the reason where nothing is left for the cache."""
+    # imported here: the cache-only accounting above needs neither the kernels nor the srt package
+    from .kernels.dispatch import select_backend
+    from .srt.pool_sizing import plan_pools
+
+    backend = select_backend(POOL_PLAN_BACKEND, cfg, "cpu")
+    gpu, reserve = int(gpu_gb * GIB), int(reserve_gb * GIB)
+    plans: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        weights = weight_bytes(cfg, mode, tp_size, ep_size).total
+        kv = gpu - weights - reserve
+        entry: dict[str, Any] = {"gpu_bytes": gpu, "weight_bytes": weights, "reserve_bytes": reserve,
+                                 "kv_bytes": kv, "kv_gib": round(kv / GIB, 2)}
+        if kv <= 0:
+            plans[mode] = {**entry, "fits": False,
+                           "reason": f"does not fit: {weights / GIB:.2f} GiB of weights + {reserve_gb:g} GiB "
+                                     f"reserve exceed the {gpu_gb:g} GiB GPU"}
+            continue
+        try:
+            plan = plan_pools(cfg, kv, backend=backend)
+        except ValueError as e:  # rows and snapshots alone exceed what is left
+            plans[mode] = {**entry, "fits": False, "reason": f"does not fit: {e}"}
+            continue
+        plans[mode] = {**entry, "fits": True, "rows": plan.rows, "rings": plan.rows + 1,
+                       "row_bytes": plan.row_bytes, "snapshot_budget_bytes": plan.snapshot_budget_bytes,
+                       "snapshots": plan.snapshot_budget_bytes // plan.snapshot_bytes,
+                       "token_bytes": plan.token_bytes, "token_slots": plan.tokens}
+    return plans
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sglang_dsv4.memory",
-        description="Print the V4 cache byte accounting of a config as JSON, one object per layout.")
+        description="Print the V4 cache byte accounting of a config as JSON (one object per cache "
+                    "layout), one rank's weight bytes per weight mode and the pool plan per mode.")
     parser.add_argument("--config", required=True, metavar="PATH",
                         help="a config.json, or a checkpoint directory containing one")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (splits query heads)")
+    parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (splits routed experts)")
+    parser.add_argument("--gpu-gb", type=float, default=DEFAULT_GPU_GB,
+                        help=f"memory per GPU in GiB (2**30 B) for the pool plan (default {DEFAULT_GPU_GB:g})")
+    parser.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB,
+                        help="GiB per GPU kept for activations and workspace, outside weights and cache "
+                             f"(default {DEFAULT_RESERVE_GB:g})")
     args = parser.parse_args(argv)
+    for flag, value in (("--gpu-gb", args.gpu_gb), ("--reserve-gb", args.reserve_gb)):
+        if not (math.isfinite(value) and value >= 0):
+            parser.error(f"{flag}: must be a finite non-negative number, got {value}")
     try:
         cfg = V4Config.from_json(args.config)
     except ConfigError as e:
@@ -156,7 +214,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # TypeError: a field of the wrong JSON type that the dataclass rejects.
         print(f"{parser.prog}: error: cannot read config {args.config}: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(all_layouts(cfg), indent=2))
+    # checked one flag at a time so that the message names the flag at fault
+    for flag, tp, ep in (("--tp-size", args.tp_size, 1), ("--ep-size", 1, args.ep_size)):
+        try:
+            cfg.validate_parallel(tp, ep)
+        except ConfigError as e:
+            print(f"{parser.prog}: error: {flag} {tp if flag == '--tp-size' else ep}: {e}", file=sys.stderr)
+            return 2
+    out: dict[str, Any] = all_layouts(cfg)
+    out["weights"] = {mode: weight_bytes(cfg, mode, args.tp_size, args.ep_size).to_dict() for mode in MODES}
+    out["pool_plan"] = pool_plans(cfg, args.tp_size, args.ep_size, args.gpu_gb, args.reserve_gb)
+    print(json.dumps(out, indent=2))
     return 0
 
 
