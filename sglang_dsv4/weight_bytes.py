@@ -16,7 +16,7 @@ bias) take fp32 as ``weight_dtypes`` gives them, and ``tid2eid`` stays int64.
 Which tensors a rank holds, and their local shapes, come from ``core.parallel.TensorSharder``
 itself, applied to meta tensors (no data). One thing the sharder does not cover: on more than one
 rank ``srt.model`` loads SGLang's vocab-parallel ``lm_head`` (this rank's rows of the padded vocab)
-and the core keeps its own full ``head.weight`` too (``V4Model.logits``), so both are counted.
+and drops the core's full ``head.weight``, so a rank counts its ``lm_head`` shard instead.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class WeightBytes:
     ep_size: int
     dense: int       # attention, shared-expert, compressor / indexer, MTP projection matrices
     experts: int     # this rank's routed experts
-    embed_head: int  # embedding, the core's head, and the vocab-parallel lm_head shard
+    embed_head: int  # embedding and the head (one rank: the core's; several: the lm_head shard)
     other: int       # norms, router, hyper-connections, ape, sink, bias, tid2eid
 
     @property
@@ -135,15 +135,16 @@ def rank_tensors(cfg: V4Config, mode: str, tp_size: int = 1, ep_size: int = 1, t
     config does not allow (``V4Config.validate_parallel``)."""
     check_mode(mode)
     sharder = TensorSharder(cfg, tp_rank, tp_size, ep_rank, ep_size)  # validates the split
+    parallel = tp_size > 1 or ep_size > 1
     for spec in checkpoint_tensors(cfg):
-        if not sharder.holds(spec.name):
+        if not sharder.holds(spec.name) or (parallel and spec.name == "head.weight"):
             continue
         # the sharder's own slicing rules, on a meta tensor: the local shape without any data
         local = sharder(spec.name, torch.empty(spec.shape, device="meta"))
         yield spec.name, category(spec), tensor_bytes(spec, tuple(local.shape), mode)
-    if tp_size > 1 or ep_size > 1:
+    if parallel:
         # srt.model: with model parallelism, SGLang's lm_head takes this rank's vocab rows, in the
-        # GEMM dtype (bf16), on top of the core's full head (counted above)
+        # GEMM dtype (bf16), and the core's full head is dropped
         yield "lm_head.weight", "embed_head", lm_head_rows(cfg.vocab_size, tp_size) * cfg.hidden_size * 2
 
 

@@ -207,8 +207,8 @@ def test_micro_embed_head_and_rest(micro):
     V, D = micro.vocab_size, micro.hidden_size
     for m in MODES:
         assert weight_bytes(micro, m).embed_head == 2 * V * D * 2  # bf16 embed + head, one copy each
-        # TP2: the core keeps its full head and SGLang's lm_head holds half the padded vocab
-        assert weight_bytes(micro, m, 2, 2).embed_head == 2 * V * D * 2 + lm_head_rows(V, 2) * D * 2
+        # TP2: the core drops its full head; SGLang's lm_head holds half the padded vocab
+        assert weight_bytes(micro, m, 2, 2).embed_head == V * D * 2 + lm_head_rows(V, 2) * D * 2
     assert lm_head_rows(129280, 8) == 16160 and lm_head_rows(100, 3) == 64  # 100 -> 192 = 3 x 64
     # norms, router, hc mixers, ape, sink, bias in fp32 whatever the mode; tid2eid int64
     other = {m: weight_bytes(micro, m).other for m in MODES}
@@ -236,7 +236,7 @@ def test_flash_ranks_sum_to_the_whole_plus_replicas(flash, mode):
     n = 4
     full = {s.name: tensor_bytes(s, s.shape, mode) for s in checkpoint_tensors(flash)}
     split = sum(b for name, b in full.items() if name.endswith(_SPLIT) or ".ffn.experts." in name)
-    replicated = sum(full.values()) - split
+    replicated = sum(full.values()) - split - full["head.weight"]  # the full head: one rank only
     lm_head = lm_head_rows(flash.vocab_size, n) * flash.hidden_size * 2
     ranks = [weight_bytes(flash, mode, n, n, r, r).total for r in range(n)]
     assert len(set(ranks)) == 1

@@ -138,7 +138,11 @@ class V4Model:
         return per_req
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return ops.linear(hidden, self.w["head.weight"])
+        head = self.w.get("head.weight")
+        if head is None:  # the SGLang model class keeps the head in its vocab-parallel lm_head
+            raise RuntimeError("this model holds no head.weight (the server's lm_head computes the logits): "
+                               "call forward(..., return_hidden=True)")
+        return ops.linear(hidden, head)
 
     # ---- MTP ------------------------------------------------------------------------------
     @torch.no_grad()

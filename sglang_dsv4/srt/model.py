@@ -53,6 +53,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head.weight_loader(self.lm_head.weight, tensors["head.weight"])
         if par is None:
             tensors["head.weight"] = self.lm_head.weight.data  # one copy of the head
+        else:
+            # the server's logits come from SGLang's lm_head (this rank's rows, gathered by its
+            # logits processor) applied to the core's hidden states: a full copy would be dead
+            # weight (~1 GB for V4) on every rank
+            del tensors["head.weight"]
         self.core = V4Model(self.v4, tensors, parallel=par)
         logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s; matrices %s, activations "
                     "float32) on %s%s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
