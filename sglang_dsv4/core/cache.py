@@ -139,7 +139,7 @@ class V4Cache:
         lens, starts = step.lens_host, step.starts_host
         reserved = self.reserve_entries(list(reqs), lens)
         write, table = {}, {}
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        positions = step.positions_host
         for r, pool in self.pools.items():
             rows = torch.full((positions.numel(),), pool.scratch_row, dtype=torch.long)
             done = completing_tokens(positions, r)

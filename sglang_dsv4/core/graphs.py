@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .step import C128Segments, StepBatch, StepTables
+from .step import C128_FIELDS, C128Segments, StepBatch, StepTables
 
 if TYPE_CHECKING:
     from .model import V4Model
@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 _STEP_TENSORS = ("ids", "positions", "tok_req", "row0", "slots", "starts", "ends")
-_SEG_TENSORS = ("tok", "carry", "store_slot", "completes", "last_tok", "first_pos")
 
 
 def decode_padded(step: StepBatch, batch: int, scratch_rows: dict[int, int]) -> StepBatch:
@@ -72,7 +71,7 @@ class _Graph:
         for name in _STEP_TENSORS:
             getattr(self.inputs, name).copy_(getattr(step, name))
         if step.c128 is not None:
-            for name in _SEG_TENSORS:
+            for name in C128_FIELDS:
                 getattr(self.inputs.c128, name).copy_(getattr(step.c128, name))
         for r, w in step.tables.write_rows.items():
             self.inputs.tables.write_rows[r].copy_(w)

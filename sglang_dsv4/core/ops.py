@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
 from ..quant import fp4_qat, fp8_qat, hadamard
+from .step import CPU_TOKEN_TILE
 
 Tensor = torch.Tensor
 
@@ -23,7 +24,6 @@ Tensor = torch.Tensor
 # 1-3, 5-7, 9-11 rows differ; every multiple of 4 agrees): padding the rows to a multiple of 8 keeps
 # each row's result independent of how many rows come with it, i.e. of how a sequence is chunked.
 CPU_ROW_TILE = 8
-EXPERT_ROW_TILE = 32  # = core.step.CPU_TOKEN_TILE, for the rows an expert takes (see there)
 
 
 def pad_rows(x: Tensor, tile: int = CPU_ROW_TILE) -> Tensor:
@@ -434,7 +434,7 @@ def _sorted_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
             r = rows[first:first + n]
             p = f"ffn.experts.{e}"
             # rows padded like the step's tokens: no row falls in a vector loop's scalar tail
-            xr, g = pad_rows(x[r], EXPERT_ROW_TILE), pad_rows(gates.flatten()[order[first:first + n]], EXPERT_ROW_TILE)
+            xr, g = pad_rows(x[r], CPU_TOKEN_TILE), pad_rows(gates.flatten()[order[first:first + n]], CPU_TOKEN_TILE)
             y = _swiglu(xr, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, g)
             out.index_add_(0, r, linear(y, w[f"{p}.w2.weight"])[:n])
         first += n

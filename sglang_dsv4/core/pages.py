@@ -22,6 +22,13 @@ class OutOfPagesError(RuntimeError):
     """The compressed-entry pool has no free page left."""
 
 
+def _grow_before_scratch(buf: Tensor, pages: int, new: Tensor) -> Tensor:
+    """A page buffer of ``pages`` pages + the scratch page with ``new`` pages inserted before the
+    scratch page (which stays last); the leading dim is page-major, flat rows or one per page."""
+    cut = buf.shape[0] // (pages + 1) * pages
+    return torch.cat((buf[:cut], new, buf[cut:]))
+
+
 class EntryPagePool:
     """Pages of ``page_size`` entries. ``dims`` gives each stored tensor a width (float rows of
     ``dtype``: ``tensors[name]`` is [num_pages * page_size, dim]) or a ``RowLayout`` (its page
@@ -61,9 +68,8 @@ class EntryPagePool:
         """Add ``extra_pages`` free pages (tensors are reallocated; storage rows keep their index)."""
         old = self.num_pages
         self.num_pages += extra_pages
-        for name, t in self.tensors.items():  # page-major along dim 0; the scratch page stays last
-            cut = old * (self.page_size if t.shape[0] > old + 1 else 1)
-            self.tensors[name] = torch.cat((t[:cut], self.layouts[name].alloc_pool(extra_pages, t.device), t[cut:]))
+        for name, t in self.tensors.items():
+            self.tensors[name] = _grow_before_scratch(t, old, self.layouts[name].alloc_pool(extra_pages, t.device))
         self.refcount += [0] * extra_pages
         self.filled += [0] * extra_pages
         self._free = list(range(self.num_pages - 1, old - 1, -1)) + self._free
@@ -204,9 +210,9 @@ class EntryRowPool:
         pages = -(-extra_rows // self.page_size)
         old = self.capacity
         self.capacity += pages * self.page_size
-        for name, t in self.tensors.items():  # page-major along dim 0; the scratch page stays last
-            cut = t.shape[0] - t.shape[0] // (old // self.page_size + 1)
-            self.tensors[name] = torch.cat((t[:cut], self.layouts[name].alloc_pool(pages, self.device), t[cut:]))
+        for name, t in self.tensors.items():
+            self.tensors[name] = _grow_before_scratch(t, old // self.page_size,
+                                                      self.layouts[name].alloc_pool(pages, self.device))
         new_rows = torch.arange(self.capacity - 1, old - 1, -1)
         live = self._free[:self._num_free]
         self._free = torch.cat((new_rows, live))  # the stack's top is the end: old free rows first

@@ -75,8 +75,7 @@ class V4CacheView(Protocol):
     def check_length(self, req: RequestState, num_new: int) -> None:
         """Raise ValueError if the request would exceed the cache's maximum length."""
 
-    def step_tables(self, reqs: Sequence[RequestState], starts: Tensor, lens: Tensor,
-                    step: StepBatch) -> StepTables:
+    def step_tables(self, reqs: Sequence[RequestState], step: StepBatch) -> StepTables:
         """Reserve the rows of the entries this step completes (all-or-nothing) -> the tables."""
 
 
@@ -132,7 +131,7 @@ class StepBatch:
     positions_host: Tensor  # [T] on the host
     c128: C128Segments | None = None
     tables: StepTables | None = None
-    num_real: int | None = None  # requests before the padding request (None: no padding)
+    num_real: int | None = None  # the caller's requests, before any padding ones (None: no padding)
 
     @property
     def num_tokens(self) -> int:
@@ -165,7 +164,7 @@ class StepBatch:
 
 def build_step(reqs: Sequence[RequestState], ids: Sequence[Tensor], starts: Sequence[int],
                scratch_slot: int, device: torch.device, with_c128: bool) -> StepBatch:
-    """The step's index tensors from host lengths: vectorised on the host, one copy per tensor."""
+    """The step's index tensors from host lengths: vectorised on the host, one staged copy."""
     lens = torch.tensor([t.numel() for t in ids], dtype=torch.long)
     st = torch.tensor(list(starts), dtype=torch.long)
     slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
@@ -183,11 +182,11 @@ def build_step(reqs: Sequence[RequestState], ids: Sequence[Tensor], starts: Sequ
     if len(on_host) == len(ids) and device.type != "cpu":  # token ids from the host ride along
         host["ids"] = torch.cat(list(ids)).long()
     if c128 is not None:
-        host.update({f"c128_{f}": getattr(c128, f).long() for f in _C128_FIELDS})
+        host.update({f"c128_{f}": getattr(c128, f).long() for f in C128_FIELDS})
     dev = stage(host, device)
     if c128 is not None:
         c128 = C128Segments(*(dev[f"c128_{f}"] if f not in ("carry", "completes") else dev[f"c128_{f}"] != 0
-                              for f in _C128_FIELDS), width=c128.width)
+                              for f in C128_FIELDS), width=c128.width)
     flat_ids = dev["ids"] if "ids" in dev else torch.cat([t.to(device) for t in ids])
     return StepBatch(ids=flat_ids, positions=dev["positions"], tok_req=dev["tok_req"],
                      row0=dev["row0"], slots=dev["slots"], starts=dev["starts"], ends=dev["ends"],
@@ -195,7 +194,7 @@ def build_step(reqs: Sequence[RequestState], ids: Sequence[Tensor], starts: Sequ
                      positions_host=positions, c128=c128)
 
 
-_C128_FIELDS = ("tok", "carry", "store_slot", "completes", "last_tok", "first_pos")
+C128_FIELDS = ("tok", "carry", "store_slot", "completes", "last_tok", "first_pos")  # C128Segments' tensors
 
 
 def stage(host: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:

@@ -58,10 +58,6 @@ def serving_cache() -> "SglangV4Cache | None":
     return _SERVING
 
 
-# the old name, kept for callers outside the package
-active_cache = serving_cache
-
-
 def on_token_slots_freed(slots: Tensor) -> None:
     if _SERVING is not None:
         _SERVING.free_token_slots(slots)
@@ -220,26 +216,28 @@ class SglangV4Cache:
         tok_slot = self.req_to_token[step.slots[b].to(self.req_to_token.device),
                                      pos.to(self.req_to_token.device)].to(self.device).long()
         starts, ends = step.starts_host, [s + n for s, n in zip(step.starts_host, step.lens_host)]
-        write, table = {}, {}
+        host_write = {}
         for r, pool in self.pools.items():
-            n = sum(e // r - s // r for s, e in zip(starts, ends))
-            rows = pool.alloc(n)
-            host_pos = step.positions_host
-            w = torch.full((host_pos.numel(),), pool.scratch_row, dtype=torch.long)
-            w[completing_tokens(host_pos, r)] = rows
-            w = stage({"w": w}, self.device)["w"]
+            rows = pool.alloc(sum(e // r - s // r for s, e in zip(starts, ends)))
+            w = torch.full((step.positions_host.numel(),), pool.scratch_row, dtype=torch.long)
+            w[completing_tokens(step.positions_host, r)] = rows
+            host_write[r] = w
+        write = stage(host_write, self.device)  # both ratios in one copy
+        table = {}
+        for r, w in write.items():
+            w32 = w.to(torch.int32)
             done = completing_tokens(pos, r)
             slot_idx = torch.where(done, tok_slot, self.num_token_slots)
             if not step.is_decode:  # a slot written again drops its old entry (freed later)
                 old = self.entry_of_slot[r][slot_idx]
                 self._orphans.append((r, torch.where(done, old, -1)))
-            self.entry_of_slot[r][slot_idx] = w.to(torch.int32)
+            self.entry_of_slot[r][slot_idx] = w32
             entries = self.req_entries[r]
             flat = torch.where(done, step.slots[b] * entries.shape[1] + (pos + 1) // r - 1,
                                self.num_req_rows * entries.shape[1])
-            entries.view(-1)[flat] = w.to(torch.int32)
+            entries.view(-1)[flat] = w32
             width = entry_width(max(e // r for e in ends), entries.shape[1], self.device)
-            write[r], table[r] = w, entries[step.slots, :width].long()
+            table[r] = entries[step.slots, :width].long()
         return StepTables(write, table)
 
     # ---- snapshots -----------------------------------------------------------------------
@@ -401,9 +399,9 @@ class SglangV4Cache:
             ok = False
             self.stats["integrity_failures"] += 1
             logger.error("sglang_dsv4 cache integrity check failed: %s", e)
-            import os
+            from sglang.srt.environ import envs  # SGLang's own switch for its idle leak checks
 
-            if os.environ.get("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "").lower() in ("1", "true"):
+            if envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get():
                 raise
         if self.metrics is not None:
             self.metrics.update()
