@@ -1,7 +1,7 @@
 """Decode-step speed on the GPU, in-process: this tree's batched step vs an older code path.
 
     python -m benchmarks.bench_decode [--old-root DIR] [--configs tiny,flash8] [--batches 1,8,64]
-        [--contexts 1024,16384] [--steps 20] [--out FILE.md]
+        [--contexts 1024,16384] [--steps 20] [--weights bf16,fp8] [--out FILE.md]
 
 For each config x batch x context: one request is prefilled to the context, B requests resume
 from its snapshot (sharing its compressed entries), and decode steps are timed. The new path runs
@@ -16,6 +16,12 @@ host syncs per step and GPU busy % (torch profiler over 3 steps: CUDA kernel tim
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
 device-to-device copy bandwidth measured in the same run) and step / roofline.
+
+``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
+dequantised matrices above, ``fp8`` random checkpoint-format tensors loaded in the fp8 weight
+mode (fp8 block-128 matrices, fp4 experts converted to fp8; ``kernels.weight_mode``); the
+roofline counts the bytes each mode's weights hold (fp8: 1 B per value plus scales). The old
+path runs in bf16 only.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from pathlib import Path
 
 import torch
 
+from sglang_dsv4.checkpoint.loader import logical_from_stored
 from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
+from sglang_dsv4.checkpoint.writer import random_stored
 from sglang_dsv4.config import V4Config
 from sglang_dsv4.core.model import V4Model, weight_dtypes
+from sglang_dsv4.kernels.fp8_linear import weight_nbytes
 from sglang_dsv4.kernels.kv_layout import V4_TOKEN_BYTES
 from sglang_dsv4.srt.state import SglangV4Cache
 from sglang_dsv4.tiny import PRESETS
@@ -83,16 +92,38 @@ def random_weights(cfg: V4Config, device: str, matmul_dtype: torch.dtype, seed: 
     return out
 
 
+def fp8_random_weights(cfg: V4Config, device: str, seed: int = 0) -> dict:
+    """Random weights in the fp8 weight mode: random checkpoint-format tensors made on the device
+    (``checkpoint.writer.random_stored``) loaded as the server loads them (fp8 matrices kept, fp4
+    experts converted to fp8 block-128)."""
+    return logical_from_stored(cfg, random_stored(cfg, device, seed), weight_dtypes(torch.bfloat16), device=device,
+                               weight_mode="fp8")
+
+
+def bench_weights(cfg: V4Config, device: str, mode: str) -> dict:
+    """The weights of one ``--weights`` mode: bf16 (dequantised) or fp8."""
+    if mode == "bf16":
+        return random_weights(cfg, device, torch.bfloat16)
+    if mode == "fp8":
+        return fp8_random_weights(cfg, device)
+    raise SystemExit(f"--weights: expected bf16 and/or fp8, got {mode!r}")
+
+
+_STACKED = (".ffn.experts.w13", ".ffn.experts.w2", ".ffn.experts.fp8")
+
+
 # ---- the roofline --------------------------------------------------------------------------
 
 def step_bytes(cfg: V4Config, w: dict[str, torch.Tensor], batch: int, ctx: int) -> int:
-    """Bytes a decode step of ``batch`` requests at context ``ctx`` must read."""
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
+    """Bytes a decode step of ``batch`` requests at context ``ctx`` must read (fp8 weights: their
+    e4m3 values and scales)."""
+    nbytes = weight_nbytes
 
     expert = {}
     total = 0
     for name, t in w.items():
+        if name.endswith(_STACKED):
+            continue  # the stacked experts (V4Model._stack_experts): the per-expert views count them
         if ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
             layer = name.split(".ffn.")[0]
             expert[layer] = expert.get(layer, 0) + nbytes(t)  # all experts of the layer
@@ -255,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old-max-batch", type=int, default=64, help="skip the old path above this batch")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
     ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph path")
+    ap.add_argument("--weights", default="bf16",
+                    help="weight modes, side by side: bf16 (dequantised) and/or fp8 (fp8 block-128, experts converted)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     device = "cuda"
@@ -267,15 +300,16 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(f"sglang_dsv4_old.{sub}")
     bw = copy_bandwidth(device)
     rows = []
-    header = ("| config | batch | context | path | step ms | tok/s | launches/step | syncs/step | GPU busy % "
+    header = ("| config | batch | context | path | weights | step ms | tok/s | launches/step | syncs/step | GPU busy % "
               "| roofline ms | step / roofline | vs before |")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
-    print(header + "\n" + "|---" * 12 + "|", flush=True)
+    print(header + "\n" + "|---" * 13 + "|", flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]
         cfg = make_config(cname, max(contexts) + args.steps + 64)
-        w = random_weights(cfg, device, torch.bfloat16)
-        for ctx in contexts:
+        ws = {mode: bench_weights(cfg, device, mode) for mode in args.weights.split(",")}
+        for ctx, mode in [(c, m) for c in contexts for m in ws]:
+            w = ws[mode]
             for batch in [int(b) for b in args.batches.split(",")]:
                 if time.perf_counter() - t_start > args.budget_s:
                     print(f"(budget reached: {cname} B={batch} ctx={ctx} and later cases not run)", flush=True)
@@ -283,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 roof = step_bytes(cfg, w, batch, ctx) / bw
                 before = None
                 paths = []
-                if old is not None and batch <= args.old_max_batch:
+                if old is not None and batch <= args.old_max_batch and mode == "bf16":
                     paths.append(lambda: OldPath(old, cfg, w, batch, ctx, args.steps, device))
                 paths.append(lambda: NewPath(cfg, w, batch, ctx, args.steps, device))
                 if not args.no_graphs:
@@ -296,16 +330,16 @@ def main(argv: list[str] | None = None) -> int:
                     ratio = "" if before is None else f"{before / ms:.1f}x"
                     if path.name == "before":
                         before = ms
-                    line = (f"| {cname} | {batch} | {ctx} | {path.name} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
+                    line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
                             f"{launches:.0f} | {syncs:.1f} | {busy:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {ratio} |")
                     rows.append(line)
                     print(line, flush=True)
                     del path
                     torch.cuda.empty_cache()
-        del w
+        del w, ws
         torch.cuda.empty_cache()
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 12 + "|\n" + "\n".join(rows) + "\n")
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 13 + "|\n" + "\n".join(rows) + "\n")
     return 0
 
 

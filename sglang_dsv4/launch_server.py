@@ -7,6 +7,9 @@
 attention kernel (auto: FlashMLA on SM90/SM100 GPUs, float32 rows and torch elsewhere);
 ``--dsv4-cuda-graph-max-bs N`` replays decode steps of up to N requests from CUDA graphs on a GPU
 (default: SGLang's max running requests; 0 turns them off, as SGLang's ``--disable-cuda-graph`` does).
+``--dsv4-weights {auto,bf16,fp8}`` picks the matrices' precision on the device (``kernels.weight_mode``:
+bf16 = dequantised; fp8 = the checkpoint's fp8 block-128 matrices kept, fp4 experts converted to fp8
+exactly; auto = fp8 on SM90+ GPUs where the Triton kernels import, else bf16).
 ``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
@@ -23,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from .srt.pool_sizing import ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, SNAPSHOT_BUDGET_KEY
+from .srt.pool_sizing import ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY
 
 TINY_PRESETS = ("micro", "tiny")
 # SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
@@ -121,12 +124,36 @@ def _attention_backend(flag: str, value: str) -> str:
     return value
 
 
+def _weights(flag: str, value: str) -> str:
+    from .kernels.weight_mode import UNAVAILABLE_MODES, WEIGHT_MODES
+
+    if value in UNAVAILABLE_MODES:
+        raise SystemExit(f"{flag} {value}: not available: {UNAVAILABLE_MODES[value]}")
+    if value not in WEIGHT_MODES:
+        raise SystemExit(f"{flag}: expected one of {', '.join(WEIGHT_MODES)}, got {value!r}")
+    return value
+
+
+def check_weights_here(args: list[str], cuda: bool) -> None:
+    """``--dsv4-weights fp8`` without a CUDA device: the error at once, before SGLang starts."""
+    for i, a in enumerate(args):
+        flag, _, inline = a.partition("=")
+        value = inline or (args[i + 1] if i + 1 < len(args) else "")
+        if flag == "--dsv4-weights" and value == "fp8" and not cuda:
+            from .kernels.weight_mode import WeightModeError, select_weight_mode
+
+            try:
+                select_weight_mode("fp8", "cpu")
+            except WeightModeError as e:
+                raise SystemExit(str(e)) from None
+
 
 # our flags -> (model config override key our model reads, value parser)
 DSV4_FLAGS = {
     "--dsv4-snapshot-budget-mb": (SNAPSHOT_BUDGET_KEY, _budget_mb),
     "--dsv4-attention-backend": (ATTENTION_BACKEND_KEY, _attention_backend),
     "--dsv4-cuda-graph-max-bs": (CUDA_GRAPH_MAX_BS_KEY, _graph_max_bs),
+    "--dsv4-weights": (WEIGHTS_KEY, _weights),
 }
 
 
@@ -168,6 +195,7 @@ def _parallel_ranks(args: list[str]) -> int:
 
 
 def build_command(argv: list[str], cuda: bool) -> tuple[list[str], dict[str, str]]:
+    check_weights_here(argv, cuda)
     args = dsv4_arguments(resolve_model_path(argv))
     env = dict(os.environ)
     if not cuda:

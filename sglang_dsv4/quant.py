@@ -93,7 +93,7 @@ def quantize_fp8_blockwise(w: torch.Tensor, block: int = FP8_WEIGHT_BLOCK) -> tu
     """[out, in] float -> (e4m3 [out, in], e8m0 scales [ceil(out/b), ceil(in/b)])."""
     out_dim, in_dim = w.shape
     nb_o, nb_i = math.ceil(out_dim / block), math.ceil(in_dim / block)
-    padded = torch.zeros(nb_o * block, nb_i * block, dtype=torch.float32)
+    padded = torch.zeros(nb_o * block, nb_i * block, dtype=torch.float32, device=w.device)
     padded[:out_dim, :in_dim] = w.float()
     tiles = padded.view(nb_o, block, nb_i, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12)
@@ -120,7 +120,7 @@ def quantize_fp4_packed(w: torch.Tensor, block: int = FP4_WEIGHT_BLOCK) -> tuple
 
 
 def _e2m1_codes(vals: torch.Tensor) -> torch.Tensor:
-    mags = E2M1_VALUES[:8]
+    mags = E2M1_VALUES[:8].to(vals.device)
     code = (vals.abs().unsqueeze(-1) == mags).int().argmax(-1)
     return (code + 8 * (torch.signbit(vals) & (vals != 0)).int()).to(torch.int32)
 
@@ -131,3 +131,24 @@ def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, block: int 
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
     vals = E2M1_VALUES.to(packed.device)[codes.long()]
     return vals * scale.float().repeat_interleave(block, -1)
+
+
+def fp4_to_fp8_blockwise(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed fp4 e2m1 + per-32 e8m0 scales -> fp8 e4m3 + 128x128 e8m0 block scales, losslessly.
+
+    An e2m1 value (1 mantissa bit) times 2^e is exact in e4m3 (3 mantissa bits) under a block
+    scale S = 2^ceil(log2(amax/448)) as long as it lies in e4m3's range relative to S: within a
+    128x128 block, the per-32 exponents may span up to 14 binades (largest value <= 448 S,
+    smallest nonzero >= 2^-9 S). The conversion is checked bit for bit (float32 dequantisations
+    compared as integers); a tensor that does not convert exactly raises ValueError naming
+    ``name``. Runs on the tensors' device.
+    """
+    ref = dequantize_fp4_packed(packed, scale)
+    q, s = quantize_fp8_blockwise(ref)
+    back = dequantize_fp8_blockwise(q, s)
+    if not torch.equal(back.view(torch.int32), ref.view(torch.int32)):
+        bad = (back.view(torch.int32) != ref.view(torch.int32)).sum().item()
+        raise ValueError(f"{name or 'fp4 tensor'}: the fp4 -> fp8 block-128 conversion is not exact "
+                         f"({bad} of {ref.numel()} values differ: its per-32 scales span more binades "
+                         "than e4m3 covers within a 128x128 block)")
+    return q, s

@@ -4,8 +4,11 @@ Modes (how the GPU keeps the checkpoint's matrices; v4_architecture.md §6.4):
 
 - ``bf16``: today's path; every matrix dequantised to bf16 (2 B/param), the rest in the
   activations' dtype, fp32 (``core.model.weight_dtypes``);
-- ``fp8``: matrices the checkpoint stores in fp8 stay e4m3 (1 B/param) with one e8m0 byte per
-  128x128 block; routed fp4 experts are converted losslessly to fp8 block-128 (2x their fp4 bytes);
+- ``fp8``: matrices the checkpoint stores in fp8 stay e4m3 (1 B/param) with one scale per
+  128x128 block (counted as its e8m0 byte; the GPU keeps it as float32 for the kernel, 3 B more
+  per 16384 values, < 0.02%), except ``attn.wo_a``, dequantised to bf16 (a grouped einsum, as
+  DeepSeek's convert.py and upstream without DeepGEMM run it; ``kernels.weight_mode``); routed fp4
+  experts are converted losslessly to fp8 block-128 (2x their fp4 bytes);
 - ``w4a16``: dense matrices as in ``fp8``; routed fp4 experts stay e2m1 (0.5 B/param) with one e8m0
   byte per 32 inputs (Marlin / FlashInfer W4A16).
 
@@ -39,6 +42,7 @@ CATEGORIES = ("dense", "experts", "embed_head", "other")
 SGLANG_VOCAB_PADDING = 64  # sglang vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
 _EMBED_HEAD = ("embed.weight", "head.weight")
+_BF16_IN_FP8_MODE = ("attn.wo_a.weight",)  # checkpoint.loader.keeps_fp8: dequantised in every mode
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def tensor_bytes(spec: TensorSpec, shape: tuple[int, ...], mode: str) -> int:
         return n * 8
     if not _is_matrix(spec.name):
         return n * 4  # the activations' dtype (weight_dtypes' default), in every mode
-    if mode == "bf16" or spec.storage is Storage.BF16:
+    if mode == "bf16" or spec.storage is Storage.BF16 or spec.name.endswith(_BF16_IN_FP8_MODE):
         return n * 2
     if spec.storage is Storage.FP8:
         return _fp8_block_bytes(*shape)

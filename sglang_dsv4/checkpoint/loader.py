@@ -4,6 +4,10 @@ The directory holds ``config.json`` and either ``model.safetensors.index.json`` 
 a single ``model.safetensors``. Every tensor that ``schema.checkpoint_tensors`` lists must be there
 with its stored shape and dtype; fp8 and fp4 weights are dequantised with their ``.scale``
 companions. Tensors that the schema does not list are ignored, since real checkpoints may carry more.
+
+Weight modes (``kernels.weight_mode``): ``bf16`` (the default) dequantises every matrix as above;
+``fp8`` keeps fp8-stored matrices as ``kernels.fp8_linear.Fp8Weight`` (e4m3 + block scales; not
+``attn.wo_a``, see there) and converts fp4 experts to fp8 block-128, checked exact per tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 from safetensors import safe_open
 
 from ..config import V4Config
-from ..quant import dequantize_fp4_packed, dequantize_fp8_blockwise
+from ..kernels.fp8_linear import Fp8Weight
+from ..quant import FP8_WEIGHT_BLOCK, dequantize_fp4_packed, dequantize_fp8_blockwise, fp4_to_fp8_blockwise
 from .schema import Storage, TensorSpec, checkpoint_tensors
 
 CONFIG_FILE = "config.json"
@@ -44,7 +49,7 @@ class Checkpoint:
     """A loaded checkpoint: its config and its logical (dequantised) tensors by schema name."""
 
     config: V4Config
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | Fp8Weight]
     path: Path
 
 
@@ -66,17 +71,22 @@ def format_shape(shape: Iterable[int]) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
-                    names: Iterable[str] | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, dtype: torch.dtype | Callable[[str], torch.dtype] = torch.float32,
+                    names: Iterable[str] | None = None, weight_mode: str = "bf16",
+                    device: torch.device | str | None = None) -> Checkpoint:
     """Load ``config.json`` and every schema tensor of the checkpoint at ``path``.
 
-    fp8/fp4/bf16/fp32 tensors come back as ``dtype``; int64 tensors (``tid2eid``) stay int64.
-    ``names`` restricts loading to those logical names (all of them by default). Every stored
-    shape and dtype is checked before any data is read. Raises CheckpointError (files, tensors)
-    or ConfigError (config.json content).
+    fp8/fp4/bf16/fp32 tensors come back as ``dtype`` (one dtype, or a function of the name such as
+    ``core.model.weight_dtypes``); int64 tensors (``tid2eid``) stay int64. ``names`` restricts
+    loading to those logical names (all of them by default). ``weight_mode`` "fp8" keeps the
+    quantised matrices as ``Fp8Weight`` (see the module doc; they need a CUDA device to run, the
+    CPU has a torch reference); ``device`` moves every tensor there as it is read. Every stored
+    shape and dtype is checked before any data is read. Raises CheckpointError (files, tensors,
+    a mode the checkpoint cannot give) or ConfigError (config.json content).
     """
-    if not dtype.is_floating_point:
+    if not callable(dtype) and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype_name(dtype)}")
+    _check_weight_mode(weight_mode)
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
@@ -91,8 +101,75 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
         problems = [p for spec in specs for p in _check_spec(spec, weight_map, shards)]
         if problems:
             raise CheckpointError(_describe(root, problems))
-        tensors = {spec.name: _load_spec(spec, weight_map, shards, dtype) for spec in specs}
+        if weight_mode == "bf16" and device is None and not callable(dtype):
+            tensors = {spec.name: _load_spec(spec, weight_map, shards, dtype) for spec in specs}
+        else:
+            stream = ((n, shards[weight_map[n]].get_tensor(n)) for spec in specs for n in spec.stored_shapes())
+            tensors = logical_from_stored(cfg, stream, dtype, device=device, weight_mode=weight_mode,
+                                          names=[spec.name for spec in specs])
     return Checkpoint(config=cfg, tensors=tensors, path=root)
+
+
+LOADER_MODES = ("bf16", "fp8")
+
+
+def _check_weight_mode(weight_mode: str) -> None:
+    if weight_mode not in LOADER_MODES:
+        raise ValueError(f"weight_mode: expected one of {', '.join(LOADER_MODES)} (resolve 'auto' with "
+                         f"kernels.weight_mode.select_weight_mode first), got {weight_mode!r}")
+
+
+def keeps_fp8(spec: TensorSpec) -> bool:
+    """Whether the fp8 weight mode holds ``spec`` quantised: fp8 matrices except ``attn.wo_a`` (a
+    grouped einsum, dequantised to bf16 as convert.py and upstream without DeepGEMM do), and the
+    routed experts (fp4 converted to fp8, or fp8 as stored)."""
+    return spec.storage in (Storage.FP8, Storage.FP4) and not spec.name.endswith("attn.wo_a.weight")
+
+
+def _check_mode_storage(cfg: V4Config, weight_mode: str) -> None:
+    if weight_mode == "fp8" and cfg.expert_dtype not in ("fp4", "fp8"):
+        raise CheckpointError(f"--dsv4-weights fp8 (dsv4_weights): the checkpoint stores its routed experts in "
+                              f"{cfg.expert_dtype} (config expert_dtype), not fp4/fp8, so there is nothing to "
+                              "keep quantised; use --dsv4-weights bf16 (or auto)")
+
+
+def _check_scale(spec: TensorSpec, scale: torch.Tensor) -> None:
+    if scale.float().isnan().any():  # e8m0 0xFF is NaN: it would silently poison the matrix
+        raise CheckpointError(f"tensor {spec.scale_name}: holds NaN scales (e8m0 byte 0xFF)")
+
+
+def _shard_fp8(name: str, w: Fp8Weight, shard: Callable[[str, torch.Tensor], torch.Tensor | None]) -> Fp8Weight | None:
+    """A rank's part of an fp8 matrix: ``shard``'s rule on the values, and the same rule on a map of
+    block ids to cut the scales (the cut must fall on 128-block boundaries)."""
+    q = shard(name, w.q)
+    if q is None or q is w.q:
+        return None if q is None else w
+    B = FP8_WEIGHT_BLOCK
+    nb_o, nb_i = w.scale.shape
+    ids = torch.arange(nb_o * nb_i, dtype=torch.int32, device=w.q.device).view(nb_o, nb_i)
+    full = ids.repeat_interleave(B, 0).repeat_interleave(B, 1)[:w.q.shape[0], :w.q.shape[1]]
+    cut = shard(name, full)
+    blocks = cut[::B, ::B]
+    back = blocks.repeat_interleave(B, 0).repeat_interleave(B, 1)[:cut.shape[0], :cut.shape[1]]
+    if tuple(cut.shape) != tuple(q.shape) or not torch.equal(back, cut):
+        raise CheckpointError(f"tensor {name}: this rank's slice {format_shape(q.shape)} does not fall on "
+                              f"{B}x{B} scale-block boundaries; use --dsv4-weights bf16 for this split")
+    return Fp8Weight(q.contiguous(), w.scale.flatten()[blocks.long()].contiguous())
+
+
+def _quantised(spec: TensorSpec, found: Mapping[str, torch.Tensor], device) -> Fp8Weight:
+    """The fp8 weight mode's form of a quantised spec: fp8 as stored, fp4 converted exactly."""
+    q, scale = found[spec.name], found[spec.scale_name]
+    _check_scale(spec, scale)
+    if device is not None:  # convert where the tensor goes (the GPU is much faster at it)
+        q, scale = q.to(device), scale.to(device)
+    if spec.storage is Storage.FP8:
+        return Fp8Weight.from_checkpoint(q, scale)
+    try:
+        q8, s8 = fp4_to_fp8_blockwise(q, scale, spec.name)
+    except ValueError as e:
+        raise CheckpointError(f"--dsv4-weights fp8: {e}; use --dsv4-weights bf16 for this checkpoint") from None
+    return Fp8Weight.from_checkpoint(q8, s8)
 
 
 def _select(specs: list[TensorSpec], names: Iterable[str] | None) -> list[TensorSpec]:
@@ -188,7 +265,8 @@ def logical_from_stored(cfg: V4Config, stored: Mapping[str, torch.Tensor] | Iter
                         dtype: torch.dtype | Callable[[str], torch.dtype] = torch.float32,
                         device: torch.device | str | None = None,
                         shard: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
-                        ) -> dict[str, torch.Tensor]:
+                        weight_mode: str = "bf16", names: Iterable[str] | None = None,
+                        ) -> dict[str, torch.Tensor | Fp8Weight]:
     """Stored checkpoint tensors, as a model loader streams them ((name, tensor) pairs or a dict)
     -> logical tensors by schema name.
 
@@ -197,12 +275,17 @@ def logical_from_stored(cfg: V4Config, stored: Mapping[str, torch.Tensor] | Iter
     waiting for their partner plus one dequantised tensor. ``dtype`` is one dtype or a function of
     the logical name (e.g. ``core.model.weight_dtypes``); ``shard(name, tensor)`` (e.g.
     ``core.parallel.TensorSharder``) keeps a rank's part of each tensor (None: none of it); with
-    ``device`` each kept tensor moves there at once. Raises CheckpointError listing every missing
-    or misshapen stored tensor (after the stream ends).
+    ``device`` each kept tensor moves there at once. ``weight_mode`` "fp8": quantised matrices stay
+    ``Fp8Weight`` (module doc); ``names`` limits the result to those logical names. Raises
+    CheckpointError listing every missing or misshapen stored tensor (after the stream ends), or
+    naming a tensor whose scales are NaN or whose fp4 -> fp8 conversion is not exact, or the mode
+    the checkpoint cannot give.
     """
+    _check_weight_mode(weight_mode)
+    _check_mode_storage(cfg, weight_mode)
     dtype_of = dtype if callable(dtype) else (lambda _name: dtype)
     holds = getattr(shard, "holds", lambda _name: True)
-    specs = checkpoint_tensors(cfg)
+    specs = checkpoint_tensors(cfg) if names is None else _select(checkpoint_tensors(cfg), names)
     spec_of = {part: spec for spec in specs for part in spec.stored_shapes()}
     pending: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
@@ -225,6 +308,13 @@ def logical_from_stored(cfg: V4Config, stored: Mapping[str, torch.Tensor] | Iter
         if bad:
             problems += bad
             continue
+        if weight_mode == "fp8" and keeps_fp8(spec):
+            w8 = _quantised(spec, found, device)
+            found.clear()
+            if shard is not None and (w8 := _shard_fp8(spec.name, w8, shard)) is None:
+                continue
+            out[spec.name] = w8 if device is None else w8.to(device)
+            continue
         logical = _dequantize(spec, found.__getitem__, dtype_of(spec.name))
         found.clear()  # the stored parts are not needed past this point
         if shard is not None and (logical := shard(spec.name, logical)) is None:
@@ -245,6 +335,8 @@ def _load_spec(spec: TensorSpec, weight_map: dict[str, str], shards: dict[str, A
 
 
 def _dequantize(spec: TensorSpec, get, dtype: torch.dtype) -> torch.Tensor:
+    if spec.scale_name is not None:
+        _check_scale(spec, get(spec.scale_name))
     if spec.storage is Storage.FP8:
         return dequantize_fp8_blockwise(get(spec.name), get(spec.scale_name)).to(dtype)
     if spec.storage is Storage.FP4:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -63,6 +64,41 @@ def quantize_tensor(spec: TensorSpec, tensor: torch.Tensor) -> dict[str, torch.T
         return {spec.name: q.contiguous(), spec.scale_name: scale.contiguous()}
     target = torch.bfloat16 if spec.storage is Storage.BF16 else torch.float32
     return {spec.name: t.to(target).contiguous()}
+
+
+def random_stored(cfg: V4Config, device: torch.device | str = "cpu", seed: int = 0
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights in their stored checkpoint formats, (name, tensor) one logical tensor at a time
+    as a model loader streams them, made (and quantised) on ``device``: a V4-Flash-sized checkpoint
+    for ``checkpoint.loader.logical_from_stored`` without writing it. Init rules as ``tiny``'s
+    (unit-gain matrices, norms near 1), from a generator on ``device`` seeded with ``seed``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    for spec in checkpoint_tensors(cfg):
+        shape, leaf = spec.shape, spec.name.rsplit(".", 1)[-1]
+        if spec.storage is Storage.INT64:
+            vocab, k = shape
+            t = torch.rand(vocab, cfg.n_routed_experts, generator=g, device=device).argsort(1)[:, :k]
+            yield spec.name, t.contiguous()
+            continue
+        t = torch.randn(shape, generator=g, device=device)
+        if spec.name.endswith("norm.weight"):
+            t = 1 + 0.1 * t
+        elif leaf.startswith("hc_") and leaf.endswith("_scale"):
+            t = 0.5 + torch.rand(shape, generator=g, device=device)
+        elif (leaf.startswith("hc_") and leaf.endswith("_base")) or leaf == "ape":
+            t = 0.5 * t
+        elif spec.name.endswith("gate.bias"):
+            t = 0.1 * t
+        elif len(shape) == 2 and spec.name != "embed.weight":
+            t = t * shape[1] ** -0.5
+        if spec.storage is Storage.FP8:
+            q, scale = quantize_fp8_blockwise(t)
+            yield from ((spec.name, q), (spec.scale_name, scale))
+        elif spec.storage is Storage.FP4:
+            q, scale = quantize_fp4_packed(t)
+            yield from ((spec.name, q), (spec.scale_name, scale))
+        else:
+            yield spec.name, t.to(torch.bfloat16 if spec.storage is Storage.BF16 else torch.float32)
 
 
 def _quantize_fp4_batch(specs: list[TensorSpec], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

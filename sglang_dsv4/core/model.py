@@ -22,6 +22,7 @@ import torch
 
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch
+from ..kernels.fp8_linear import Fp8Weight
 from . import ops
 from .cache import RequestState
 from .slot_state import C4_STATE_ROWS
@@ -63,7 +64,11 @@ class V4Model:
         self.cfg, self.w, self.quant_sim, self.parallel = cfg, weights, quant_sim, parallel
         self.layers = [ops.layer_view(weights, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
         self.mtp = [ops.layer_view(weights, f"mtp.{m}") for m in range(cfg.num_mtp_layers)]
-        if ops.grouped_mm_available(self.device, weights["embed.weight"].dtype):
+        # "fp8" when the loader kept the checkpoint's matrices quantised (``checkpoint.loader``'s
+        # weight_mode; ops.linear / grouped_experts dispatch on the weights' type), else "bf16"
+        self.weight_mode = "fp8" if any(isinstance(v, Fp8Weight) for v in weights.values()) else "bf16"
+        if (self.weight_mode == "fp8" and self.device.type == "cuda") or ops.grouped_mm_available(
+                self.device, weights["embed.weight"].dtype):
             self._stack_experts()
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() is called
 
@@ -77,7 +82,8 @@ class V4Model:
         self.graphs = DecodeGraphs(self, max_batch)
 
     def _stack_experts(self) -> None:
-        """Stacked expert matrices for the GPU's grouped GEMM; per-expert entries become views."""
+        """Stacked expert matrices for the GPU's grouped GEMM (bf16: ``torch._grouped_mm``; fp8:
+        ``kernels.fp8_moe``); per-expert entries become views."""
         experts = self.parallel.local_experts(self.cfg) if self.parallel else range(self.cfg.n_routed_experts)
         views = [(f"layers.{i}", lw) for i, lw in enumerate(self.layers)] + [(f"mtp.{m}", lw) for m, lw in enumerate(self.mtp)]
         for prefix, lw in views:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
+from ..kernels.fp8_linear import Fp8Weight, fp8_linear
+from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from ..quant import fp4_qat, fp8_qat, hadamard
 from .step import CPU_TOKEN_TILE
 
@@ -34,13 +36,18 @@ def pad_rows(x: Tensor, tile: int = CPU_ROW_TILE) -> Tensor:
     return torch.cat((x, x.new_zeros((extra,) + tuple(x.shape[1:]))))
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w.T in the weight's dtype (bf16 weights: a bf16 GEMM), returned in x's dtype.
+def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+    """x @ w.T in the weight's dtype (bf16 weights: a bf16 GEMM), returned in x's dtype. An fp8
+    block-128 weight (``kernels.fp8_linear.Fp8Weight``, the fp8 weight mode) takes x quantised
+    as V4's QAT does (e4m3, groups of 128, power-of-two scales) into the fp8 block GEMM.
 
     Row i of the result depends only on row i of x (rows padded on the CPU, see CPU_ROW_TILE)."""
     n = x.shape[0]
     xp = pad_rows(x)
-    y = xp @ w.t() if x.dtype == w.dtype else (xp.to(w.dtype) @ w.t()).to(x.dtype)
+    if isinstance(w, Fp8Weight):
+        y = fp8_linear(xp, w)
+    else:
+        y = xp @ w.t() if x.dtype == w.dtype else (xp.to(w.dtype) @ w.t()).to(x.dtype)
     return y[:n] if y.shape[0] != n else y
 
 
@@ -348,6 +355,8 @@ def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
     outputs are added per token in expert order. Either way a token's result depends only on its
     own row and routing, not on the other tokens of the batch.
     """
+    if FP8_EXPERTS in w and x.is_cuda:  # fp8 weight mode: the grouped fp8 GEMMs, any EP share
+        return fp8_grouped_experts(x, chosen, gates, w[FP8_EXPERTS], experts.start, cfg.swiglu_limit)
     # the grouped path holds every expert: an expert-parallel share (EP) takes the loop for now (on
     # the H200 the grouped GEMMs over a share dropped some tokens' outputs: not yet understood)
     if STACKED_W13 in w and x.is_cuda and len(experts) == cfg.n_routed_experts:
@@ -356,12 +365,22 @@ def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
 
 
 STACKED_W13, STACKED_W2 = "ffn.experts.w13", "ffn.experts.w2"  # [E_local, 2I, D], [E_local, D, I]
+FP8_EXPERTS = "ffn.experts.fp8"  # kernels.fp8_moe.Fp8Experts: the stacked fp8 experts
 GROUP_ALIGN = 16  # rows per expert group are padded to this for the grouped GEMM
 
 
 def stack_experts(w: dict[str, Tensor], experts: range) -> None:
     """Give a layer's weights the stacked expert matrices the grouped GEMM reads, and make the
-    per-expert entries views of them (no second copy)."""
+    per-expert entries views of them (no second copy). fp8 experts (``Fp8Weight``) stack into
+    one ``Fp8Experts`` entry (``FP8_EXPERTS``)."""
+    if isinstance(w[f"ffn.experts.{experts.start}.w1.weight"], Fp8Weight):
+        names = [[f"ffn.experts.{e}.{m}.weight" for e in experts] for m in ("w1", "w3", "w2")]
+        stack, views = stack_fp8_experts(*[[w.pop(n) for n in ns] for ns in names])
+        for i, e in enumerate(experts):
+            for m, view in zip(("w1", "w3", "w2"), views[i]):
+                w[f"ffn.experts.{e}.{m}.weight"] = view
+        w[FP8_EXPERTS] = stack
+        return
     w13 = torch.stack([torch.cat((w[f"ffn.experts.{e}.w1.weight"], w[f"ffn.experts.{e}.w3.weight"]))
                        for e in experts])
     w2 = torch.stack([w[f"ffn.experts.{e}.w2.weight"] for e in experts])

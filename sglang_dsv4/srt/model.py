@@ -18,6 +18,7 @@ from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
 from ..core.model import V4Model, weight_dtypes
 from ..core.parallel import ModelParallel, TensorSharder
+from ..kernels.weight_mode import WEIGHTS_KEY, select_weight_mode
 from .pool_sizing import CUDA_GRAPH_MAX_BS_KEY, SNAPSHOT_BUDGET_KEY, cache_backend
 from .state import SglangV4Cache
 
@@ -47,8 +48,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         matmul_dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
         par = self._model_parallel()
         shard = None if par is None else TensorSharder(self.v4, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size)
-        # streamed: each tensor is dequantised, sharded and moved as soon as its parts arrived
-        tensors = logical_from_stored(self.v4, weights, weight_dtypes(matmul_dtype), device=device, shard=shard)
+        # --dsv4-weights (model override dsv4_weights): auto | bf16 | fp8; a forced mode that cannot
+        # run here (fp8 without CUDA SM90+ / Triton, or on a bf16-expert checkpoint) fails here
+        mode, why = select_weight_mode(getattr(self.config, WEIGHTS_KEY, None), device, self.v4)
+        logger.info("sglang_dsv4 weights: %s", why)
+        # streamed: each tensor is dequantised (or kept fp8), sharded and moved as soon as its parts arrived
+        tensors = logical_from_stored(self.v4, weights, weight_dtypes(matmul_dtype), device=device, shard=shard,
+                                      weight_mode=mode)
         # SGLang's vocab-parallel head takes this rank's rows; its logits processor gathers them
         self.lm_head.weight_loader(self.lm_head.weight, tensors["head.weight"])
         if par is None:
@@ -61,7 +67,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.core = V4Model(self.v4, tensors, parallel=par)
         logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s; matrices %s, activations "
                     "float32) on %s%s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
-                    matmul_dtype, device, "" if par is None else
+                    "fp8 block-128 (wo_a, embedding, head and bf16-stored ones %s)" % matmul_dtype
+                    if mode == "fp8" else matmul_dtype, device, "" if par is None else
                     f"; rank tp {par.tp_rank}/{par.tp_size} ep {par.ep_rank}/{par.ep_size}")
 
     def _model_parallel(self) -> ModelParallel | None:

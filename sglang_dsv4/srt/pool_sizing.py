@@ -20,6 +20,7 @@ import torch
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend
 from ..kernels.dispatch import select_backend
+from ..kernels.weight_mode import WEIGHTS_KEY as _WEIGHTS_KEY
 from ..core.slot_state import SlotStateLayout
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256  # upstream's V4 default too; each request ro
 SNAPSHOT_BUDGET_KEY = "dsv4_snapshot_budget_mb"  # read from the HF config (json model overrides)
 ATTENTION_BACKEND_KEY = "dsv4_attention_backend"  # likewise: auto | torch | torch-fp8 | flashmla
 CUDA_GRAPH_MAX_BS_KEY = "dsv4_cuda_graph_max_bs"  # likewise: decode graphs up to this batch; 0 = off
+WEIGHTS_KEY = _WEIGHTS_KEY  # likewise: auto | bf16 | fp8 (kernels.weight_mode)
 ENTRY_PAGE_ROWS = 64  # rows per storage page of the cache's entry pools (FlashMLA's paged layout)
 ENTRY_SIDE_TABLE_BYTES = 2 * 4  # per token slot: one int32 entry row per ratio (state.entry_of_slot)
 

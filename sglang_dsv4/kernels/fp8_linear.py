@@ -1,0 +1,209 @@
+"""FP8 block-128 matrices on the GPU: the weight type, V4's activation quantisation, the GEMM.
+
+- ``Fp8Weight``: a matrix (or a stack of expert matrices) as the checkpoint stores it, e4m3
+  values with one power-of-two scale per 128x128 block (kept as float32 for the kernel).
+- ``quantize_act``: V4's runtime activation quantisation (v4_architecture.md §6.4, [REF]
+  ``act_quant`` with ``scale_fmt = "ue8m0"``): e4m3 in groups of 128 along K, scale
+  ``2^ceil(log2(max(amax, 1e-4) / 448))``. Pure torch: fixed shapes, no host sync.
+- ``fp8_gemm``: C = dequant(A) @ dequant(B).T with per-row-group A scales and 128x128 B scales,
+  one Triton kernel. Its inner loop is that of SGLang 0.5.23's ``_w8a8_block_fp8_matmul``
+  (``sglang/kernels/ops/gemm/fp8_kernel.py``, Apache-2.0), with two additions used by the
+  routed experts (``fp8_moe``): rows of A gathered through a row table, and one expert's B per
+  block of rows (the ``expert_ids`` of SGLang's fused MoE). SGLang's own wrapper is not called:
+  its module imports ``sglang.srt`` (deep_gemm wrapper, platform context), which the core does
+  not need and the GPU image running the core does not have.
+- ``fp8_linear``: ``x @ dequant(w).T`` with x quantised as above; on a CPU the torch reference
+  (``fp8_linear_reference``), which is what the kernel computes up to fp32 summation order.
+
+Everything is CUDA-graph capturable: launch grids and configs depend only on shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import FP8_MAX, FP8_WEIGHT_BLOCK, dequantize_fp8_blockwise
+
+Tensor = torch.Tensor
+# TRITON_INTERPRET=1 (read by triton at import): the kernels run on CPU tensors too (tests)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ACT_GROUP = 128          # activation quantisation group along K (= the weight block)
+ACT_AMAX_FLOOR = 1e-4    # [REF] act_quant's amax clamp
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """e4m3 values ``q`` [..., N, K] and float32 power-of-two block scales ``scale``
+    [..., ceil(N/128), ceil(K/128)]: the matrix is ``q * scale[n // 128, k // 128]``."""
+
+    q: Tensor
+    scale: Tensor
+
+    def __post_init__(self) -> None:
+        if self.q.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"Fp8Weight values must be float8_e4m3fn, got {self.q.dtype}")
+        want = tuple(self.q.shape[:-2]) + tuple(math.ceil(d / FP8_WEIGHT_BLOCK) for d in self.q.shape[-2:])
+        if tuple(self.scale.shape) != want:
+            raise ValueError(f"Fp8Weight scale shape {list(self.scale.shape)} does not match values "
+                             f"{list(self.q.shape)} (expected {list(want)})")
+
+    @classmethod
+    def from_checkpoint(cls, q: Tensor, scale: Tensor) -> "Fp8Weight":
+        """From the stored e4m3 values and e8m0 scales (scales widened to float32: exact)."""
+        return cls(q.contiguous(), scale.float().contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def to(self, device) -> "Fp8Weight":
+        return Fp8Weight(self.q.to(device), self.scale.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        if self.q.dim() == 2:
+            return dequantize_fp8_blockwise(self.q, self.scale).to(dtype)
+        flat_q, flat_s = self.q.reshape(-1, *self.q.shape[-2:]), self.scale.reshape(-1, *self.scale.shape[-2:])
+        return torch.stack([dequantize_fp8_blockwise(q, s) for q, s in zip(flat_q, flat_s)]).view(
+            self.q.shape).to(dtype)
+
+
+def weight_nbytes(t) -> int:
+    """Bytes held by a weight entry (a tensor or an ``Fp8Weight``)."""
+    if isinstance(t, Fp8Weight):
+        return t.nbytes
+    return t.numel() * t.element_size()
+
+
+# ---- activation quantisation -----------------------------------------------------------------
+
+def quantize_act(x: Tensor, group: int = ACT_GROUP) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (e4m3 [M, Kp], float32 scales [M, Kp / group]), Kp = K rounded up to ``group``
+    (zero padding). Scale per group: 2^ceil(log2(max(amax, 1e-4) / 448))."""
+    M, K = x.shape
+    Kp = math.ceil(K / group) * group
+    xf = x.float()
+    if Kp != K:
+        xf = F.pad(xf, (0, Kp - K))
+    xb = xf.view(M, Kp // group, group)
+    amax = xb.abs().amax(-1).clamp_min(ACT_AMAX_FLOOR)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    q = (xb / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(M, Kp), scale
+
+
+def dequantize_act(q: Tensor, scale: Tensor, k: int, group: int = ACT_GROUP) -> Tensor:
+    """Inverse of ``quantize_act``, float32 [M, k]."""
+    M = q.shape[0]
+    return (q.float().view(M, -1, group) * scale.unsqueeze(-1)).view(M, -1)[:, :k]
+
+
+def qdq_act(x: Tensor) -> Tensor:
+    """x after V4's activation quantise-dequantise (float32)."""
+    q, s = quantize_act(x)
+    return dequantize_act(q, s, x.shape[1])
+
+
+# ---- the GEMM --------------------------------------------------------------------------------
+
+def triton_missing() -> str | None:
+    """Why the Triton kernel cannot run here (None: it can)."""
+    try:
+        from . import fp8_triton  # noqa: F401
+    except Exception as e:  # ImportError, or triton failing to initialise
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def _config(M: int, N: int, block_m: int | None) -> dict[str, int]:
+    if block_m is None:
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    # few output tiles (a narrow matrix at a small batch): narrower tiles, more programs
+    block_n = 64 if math.ceil(M / block_m) * math.ceil(N / 128) < 128 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8, num_warps=4, num_stages=3)
+
+
+@torch.compiler.disable  # a graph break where a compiled caller (core.compiled) reaches the kernel launch
+def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, rows: Tensor | None = None,
+             block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None) -> Tensor:
+    """[M, N] = (dequantised rows of A) @ dequant(w)^T in fp32, stored as ``out_dtype``.
+
+    a_q [Ma, Kp] e4m3 and a_s [Ma, Kp/128] from ``quantize_act``; w [N, K] (or [E, N, K] with
+    ``block_expert`` [M / block_m] int32: the expert of each block of ``block_m`` output rows,
+    -1 = zeros). ``rows`` [M] int32 (-1 = a zero row) gathers A's rows; default row m = m.
+    The Triton kernel on CUDA, ``fp8_gemm_reference`` elsewhere (the same result).
+    """
+    if a_q.device.type != "cuda" and not INTERPRET:
+        return fp8_gemm_reference(a_q, a_s, w, out_dtype, rows, block_expert, block_m, m)
+    import triton
+
+    from .fp8_triton import fp8_block_gemm_kernel
+
+    grouped = block_expert is not None
+    N, K = w.q.shape[-2:]
+    M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
+    if grouped and block_m is None:
+        raise ValueError("fp8_gemm: a grouped GEMM needs the block_m its block_expert table was built for")
+    cfg = _config(M, N, block_m)
+    c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
+    if M == 0:
+        return c
+    wq = w.q if grouped else w.q.unsqueeze(0)
+    ws = w.scale if grouped else w.scale.unsqueeze(0)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    dummy = rows if rows is not None else (block_expert if grouped else c)
+    fp8_block_gemm_kernel[grid](
+        a_q, a_s, wq, ws, c, rows if rows is not None else dummy, block_expert if grouped else dummy,
+        M, N, K,
+        a_q.stride(0), a_s.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
+        HAS_ROWS=rows is not None, GROUPED=grouped, **cfg)
+    return c
+
+
+def fp8_gemm_reference(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, rows: Tensor | None = None,
+                       block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None) -> Tensor:
+    """What ``fp8_gemm`` computes, in torch float32 (dequantise, then matmul)."""
+    N, K = w.q.shape[-2:]
+    a = dequantize_act(a_q, a_s, K)
+    M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
+    if rows is not None:
+        a = torch.cat((a, a.new_zeros(1, K)))[torch.where(rows >= 0, rows.long(), a.shape[0])]
+    else:
+        a = a[:M]
+    if block_expert is None:
+        return (a @ w.dequantize().t()).to(out_dtype)
+    out = a.new_zeros(M, N)
+    row_expert = block_expert.long().repeat_interleave(block_m)[:M]
+    for e in range(w.q.shape[0]):
+        sel = (row_expert == e).nonzero().flatten()
+        if sel.numel():
+            out[sel] = a[sel] @ Fp8Weight(w.q[e], w.scale[e]).dequantize().t()
+    return out.to(out_dtype)
+
+
+def fp8_linear(x: Tensor, w: Fp8Weight) -> Tensor:
+    """x [M, K] @ dequant(w).T with x quantised as V4's QAT does (fp8 e4m3, groups of 128, ue8m0
+    scales) -> [M, N] in x's dtype."""
+    q, s = quantize_act(x)
+    return fp8_gemm(q, s, w, x.dtype)
+
+
+def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
+    """The reference of ``fp8_linear``: qdq(x) @ dequant(w).T in float32."""
+    return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
+
+
+__all__ = ["Fp8Weight", "weight_nbytes", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm",
+           "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "ACT_GROUP", "triton_missing"]

@@ -1,0 +1,126 @@
+"""Routed experts in fp8 block-128 on the GPU: two grouped ``fp8_gemm`` calls, V4's activation between.
+
+Layout (as SGLang's fused MoE sorts tokens, ``moe_align_block_size``, but built in torch with
+fixed shapes): the (token, slot) pairs are sorted by local expert, each expert's rows padded to
+``block_m``; a block of ``block_m`` rows belongs to one expert (``block_expert``, -1 past the
+last). GEMM 1 gathers each row's token from the quantised x (``rows``) and multiplies by w1|w3;
+then V4's clamped SwiGLU (``swiglu_limit``: gate clamped above, up clamped both ways), the gate
+weight (applied before w2, as ``core.ops._sorted_experts`` and [REF] ``Expert.forward`` do),
+the activation quantisation; GEMM 2 multiplies by w2. Outputs go back to their pairs by a gather
+and are summed over the k slots in slot order (deterministic).
+
+SGLang's own ``fused_experts`` is not used: its activation is a plain SiLU-and-mul (no clamp,
+it lives in ``sgl_kernel``) and its routed-weight product comes after w2; calling its Triton
+GEMM twice with our activation between is what this module does, with the GEMM of
+``fp8_linear`` (same inner loop) so that the dense and expert paths share one kernel.
+
+Shapes depend only on (T, k, local experts): no host sync, CUDA-graph capturable. Pairs routed
+to experts another rank holds (expert parallelism) are dropped; their output is zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import FP8_WEIGHT_BLOCK
+from .fp8_linear import Fp8Weight, fp8_gemm, quantize_act
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """A layer's local routed experts stacked for the grouped GEMM: ``w13`` [E, 2 Ip, D] (w1 rows
+    0..I-1, w3 rows Ip..Ip+I-1, Ip = I rounded up to 128, zero rows between) and ``w2`` [E, D, I]."""
+
+    w13: Fp8Weight
+    w2: Fp8Weight
+    inter: int
+
+    @property
+    def inter_padded(self) -> int:
+        return self.w13.q.shape[1] // 2
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.q.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+
+def stack_fp8_experts(w1: list[Fp8Weight], w3: list[Fp8Weight], w2: list[Fp8Weight]
+                      ) -> tuple[Fp8Experts, list[tuple[Fp8Weight, Fp8Weight, Fp8Weight]]]:
+    """Stack per-expert fp8 matrices -> (the stack, per expert (w1, w3, w2) views of it)."""
+    inter, dim = w1[0].q.shape
+    ip = math.ceil(inter / FP8_WEIGHT_BLOCK) * FP8_WEIGHT_BLOCK
+    E, dev = len(w1), w1[0].device
+    q13 = torch.zeros(E, 2 * ip, dim, dtype=torch.float8_e4m3fn, device=dev)
+    s13 = torch.cat((torch.stack([w.scale for w in w1]), torch.stack([w.scale for w in w3])), dim=1)
+    for i, (a, b) in enumerate(zip(w1, w3)):
+        q13[i, :inter] = a.q
+        q13[i, ip:ip + inter] = b.q
+    stack = Fp8Experts(Fp8Weight(q13, s13.contiguous()),
+                       Fp8Weight(torch.stack([w.q for w in w2]), torch.stack([w.scale for w in w2])), inter)
+    nb = ip // FP8_WEIGHT_BLOCK
+    views = [(Fp8Weight(stack.w13.q[i, :inter], stack.w13.scale[i, :nb]),
+              Fp8Weight(stack.w13.q[i, ip:ip + inter], stack.w13.scale[i, nb:]),
+              Fp8Weight(stack.w2.q[i], stack.w2.scale[i])) for i in range(E)]
+    return stack, views
+
+
+def block_rows(pairs: int) -> int:
+    """Rows per expert block: 16 for decode-sized batches, 64 for prefill-sized ones."""
+    return 16 if pairs < 1024 else 64
+
+
+def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Experts, first_expert: int,
+                        limit: float) -> Tensor:
+    """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the local experts
+    ``first_expert .. first_expert + E - 1`` -> [T, D] in x's dtype."""
+    T, k = chosen.shape
+    E, P = experts.num_experts, chosen.numel()
+    A = block_rows(P)
+    M = math.ceil((P + min(P, E) * (A - 1)) / A) * A  # room for every expert's padding
+    dev = x.device
+    local = chosen.flatten().long() - first_expert
+    e = torch.where((local >= 0) & (local < E), local, E)             # E: not held here
+    # (torch.bincount syncs on CUDA to size its output: a scatter-add of known size does not)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, e, torch.ones_like(e))[:E]
+    padded = (counts + A - 1) // A * A
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(e, stable=True)
+    es = e[order]
+    esc = es.clamp(max=E - 1)
+    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[esc]
+    dest = torch.where(es < E, ends[esc] - padded[esc] + rank, M)     # row of each sorted pair
+    pair_of_row = torch.full((M + 1,), P, dtype=torch.long, device=dev)
+    pair_of_row[dest] = order
+    pair_of_row = pair_of_row[:M]
+    dest_of_pair = torch.empty(P, dtype=torch.long, device=dev)
+    dest_of_pair[order] = dest
+    block_start = torch.arange(0, M, A, device=dev)
+    block_expert = torch.searchsorted(ends, block_start, right=True)     # E: past the last group
+    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
+    token_of_row = torch.where(pair_of_row < P, pair_of_row // k, -1).to(torch.int32)
+
+    xq, xs = quantize_act(x)
+    h = fp8_gemm(xq, xs, experts.w13, torch.float32, rows=token_of_row, block_expert=block_expert, block_m=A)
+    I, Ip = experts.inter, experts.inter_padded
+    g, u = h[:, :I], h[:, Ip:Ip + I]
+    if limit > 0:  # swiglu_limit 0 means no clamp
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    gate_of_row = torch.cat((gates.flatten().float(), gates.new_zeros(1, dtype=torch.float32)))[pair_of_row]
+    y = (F.silu(g) * u) * gate_of_row[:, None]
+    yq, ys = quantize_act(y)
+    out = fp8_gemm(yq, ys, experts.w2, x.dtype, block_expert=block_expert, block_m=A)
+    pairs = torch.cat((out, out.new_zeros(1, out.shape[1])))[dest_of_pair]  # M: a dropped pair
+    return pairs.view(T, k, -1).sum(1)
+
+
+__all__ = ["Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows"]

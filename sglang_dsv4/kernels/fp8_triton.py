@@ -1,0 +1,63 @@
+"""The Triton kernel of ``fp8_linear.fp8_gemm`` (imported on first use: the core imports no triton
+until an fp8 GEMM runs). Inner loop: SGLang 0.5.23 ``_w8a8_block_fp8_matmul``
+(``sglang/kernels/ops/gemm/fp8_kernel.py``, Apache-2.0), plus a row table and per-block experts."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fp8_block_gemm_kernel(
+    A, As, B, Bs, C, Rows, BlockExpert,
+    M, N, K,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    HAS_ROWS: tl.constexpr, GROUPED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C[m] = sum_k dequant(A[row(m)]) * dequant(B[e(m)])^T; row(m) = Rows[m] (-1: a zero row)
+    or m; e(m) = BlockExpert[m // BLOCK_M] (-1: the block is written as zeros) or 0."""
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if GROUPED:
+        e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    else:
+        e = (pid_m * 0).to(tl.int64)
+    if e < 0:
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=C.dtype.element_ty), mask=c_mask)
+        return
+    if HAS_ROWS:
+        rows = tl.load(Rows + offs_m, mask=offs_m < M, other=-1)
+    else:
+        rows = tl.where(offs_m < M, offs_m, -1)
+    row_ok = rows >= 0
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_bn = offs_n % N
+    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
+    as_ptrs = As + rows * stride_asm
+    b_ptrs = B + e * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    bs_ptrs = Bs + e * stride_bse + (offs_bn // BLOCK_K) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=c_mask)

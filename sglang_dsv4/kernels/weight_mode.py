@@ -1,0 +1,89 @@
+"""Which precision the checkpoint's matrices keep on the device (``--dsv4-weights``).
+
+- ``bf16``: every fp8 / fp4 matrix dequantised to the matmul dtype (bf16 on a GPU, the CPU's
+  float32): the oracle-checked path.
+- ``fp8``: matrices stored fp8 e4m3 + 128x128 e8m0 scales stay so (``kernels.fp8_linear``), with
+  ``attn.wo_a`` the exception (dequantised to bf16, as DeepSeek's ``convert.py`` and upstream
+  SGLang without DeepGEMM do: it runs as a grouped einsum, not a linear); routed fp4 experts are
+  converted at load to fp8 block-128, exactly (``quant.fp4_to_fp8_blockwise``), and run through
+  the grouped fp8 GEMMs (``kernels.fp8_moe``). Activations are quantised before each fp8 GEMM as
+  V4's QAT does (e4m3, groups of 128, power-of-two scales).
+- ``auto``: ``fp8`` where its kernels run (a CUDA GPU of SM90 or newer, Triton importable) and the
+  checkpoint has quantised experts, else ``bf16``.
+
+Not offered: ``w4a16`` (fp4 experts kept as e2m1 and multiplied by bf16 activations). Its
+kernels are Marlin (in ``sgl_kernel``) and FlashInfer's, and neither is in the GPU image this
+project runs on (``sgl_kernel`` is the pure-torch stand-in there, FlashInfer is absent).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import V4Config
+
+WEIGHTS_KEY = "dsv4_weights"  # the model override key (--json-model-override-args)
+WEIGHTS_FLAG = "--dsv4-weights"
+WEIGHT_MODES = ("auto", "bf16", "fp8")
+RESOLVED_MODES = ("bf16", "fp8")
+UNAVAILABLE_MODES = {
+    "w4a16": "W4A16 needs Marlin (sgl_kernel) or FlashInfer's W4A16 MoE, and neither is importable in the "
+             "GPU image sglang_dsv4 targets (sgl_kernel is a pure-torch stand-in there, FlashInfer is "
+             "absent); fp8 keeps the experts in 1 byte per weight (the fp4 codes converted exactly)",
+}
+FP8_MIN_SM = 9
+
+
+class WeightModeError(ValueError):
+    """A weight mode that cannot run here or that the checkpoint cannot give."""
+
+
+def fp8_missing(device: torch.device | str) -> str | None:
+    """What the fp8 weight mode lacks on ``device`` (None: nothing)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the fp8 block GEMMs are Triton kernels for CUDA GPUs (SM{FP8_MIN_SM}0+), the device is {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < FP8_MIN_SM:
+        return f"fp8 e4m3 GEMMs need SM{FP8_MIN_SM}0 or newer, this GPU is SM{major}{minor}"
+    from .fp8_linear import triton_missing
+
+    return triton_missing()
+
+
+def _experts_quantised(cfg: V4Config | None) -> bool:
+    return cfg is None or cfg.expert_dtype in ("fp4", "fp8")
+
+
+def select_weight_mode(requested: str | None, device: torch.device | str,
+                       cfg: V4Config | None = None) -> tuple[str, str]:
+    """-> (``bf16`` or ``fp8``, why, for the startup log). ``requested`` None means ``auto``.
+    Raises WeightModeError for an unknown or unavailable mode, and for ``fp8`` where its kernels
+    are missing or the checkpoint's experts are bf16 (the message names the flag)."""
+    mode = requested or "auto"
+    if mode in UNAVAILABLE_MODES:
+        raise WeightModeError(f"{WEIGHTS_FLAG} {mode} ({WEIGHTS_KEY}): not available: {UNAVAILABLE_MODES[mode]}")
+    if mode not in WEIGHT_MODES:
+        raise WeightModeError(f"{WEIGHTS_FLAG} ({WEIGHTS_KEY}): unknown weight mode {mode!r} "
+                              f"(known: {', '.join(WEIGHT_MODES)})")
+    if mode == "bf16":
+        return "bf16", f"{WEIGHTS_FLAG} bf16: matrices dequantised"
+    missing = fp8_missing(device)
+    experts_ok = _experts_quantised(cfg)
+    if mode == "fp8":
+        if missing:
+            raise WeightModeError(f"{WEIGHTS_FLAG} fp8 ({WEIGHTS_KEY}): cannot run here: {missing}; "
+                                  f"use {WEIGHTS_FLAG} bf16 or auto")
+        if not experts_ok:
+            raise WeightModeError(f"{WEIGHTS_FLAG} fp8 ({WEIGHTS_KEY}): the checkpoint stores its routed experts "
+                                  f"in {cfg.expert_dtype} (expert_dtype), not fp4/fp8; use {WEIGHTS_FLAG} bf16")
+        return "fp8", f"{WEIGHTS_FLAG} fp8: fp8 block-128 matrices, fp4 experts converted to fp8"
+    if missing:
+        return "bf16", f"{WEIGHTS_FLAG} auto -> bf16: fp8 unavailable ({missing})"
+    if not experts_ok:
+        return "bf16", f"{WEIGHTS_FLAG} auto -> bf16: the checkpoint's experts are {cfg.expert_dtype}"
+    return "fp8", f"{WEIGHTS_FLAG} auto -> fp8: fp8 block-128 matrices, fp4 experts converted to fp8 (Triton, SM90+)"
+
+
+__all__ = ["WEIGHTS_KEY", "WEIGHTS_FLAG", "WEIGHT_MODES", "RESOLVED_MODES", "UNAVAILABLE_MODES",
+           "WeightModeError", "fp8_missing", "select_weight_mode"]

@@ -1,0 +1,289 @@
+"""The fp8 weight mode on the GPU (issue 12): fp8 block GEMM and grouped fp8 experts against torch
+references, GPU bytes held by the weights against the checkpoint's, logits against the bf16 path
+(prefill + 64 decode steps) for ``tiny`` and a V4-Flash-dimension config, CUDA-graph replay and
+no host sync in an fp8 decode step.
+
+    python3 -m pytest -q -m gpu tests/kernels/test_fp8_gpu.py
+
+Measured numbers go to $DSV4_GPU_REPORT (or $OUT/fp8_gpu.jsonl) when set.
+
+Tolerances. The kernel tests compare the Triton kernels with torch on the *same* quantised
+operands, so only fp32 summation order differs: 1e-4 relative per row (fp32 sums over K <= 8192
+terms). The logits tests compare the fp8 mode with the bf16 (dequantised) path: the weights are
+the same values in both (fp8 keeps them, fp4 experts convert exactly), so the difference is V4's
+activation quantisation before every fp8 GEMM (e4m3: 3 mantissa bits, a relative rounding error
+up to 2^-4, ~2-4% RMS per element once the power-of-two group scale is counted), against bf16
+rounding (2^-9) on the other side. One GEMM then differs by ~3% relative; a random (untrained)
+model carries such perturbations through its layers and softmaxes, and on the CPU the torch
+reference of this very mode (same math, fp32) differs from the dequantised model by a median of
+8% (micro) and 7% (tiny: 7.4% over a 136-token prefill, 6.8% over 64 decode steps, argmax
+agreement 76% / 81%) per position. Bounds: median relative logit error < 0.15 (twice that) and
+argmax agreement > 0.5 (top-1 margins of 129280 random logits are ~0.2 sigma, so a ~7%
+perturbation flips a fifth of the positions); exceeding them means a plumbing bug (a wrong
+scale, row or expert), which shows as errors of order 1 and near-zero agreement.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from sglang_dsv4.checkpoint import load_checkpoint
+from sglang_dsv4.checkpoint.loader import keeps_fp8, logical_from_stored
+from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
+from sglang_dsv4.checkpoint.writer import random_stored
+from sglang_dsv4.config import V4Config
+from sglang_dsv4.core.model import V4Model, weight_dtypes
+from sglang_dsv4.kernels import fp8_moe
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_reference, fp8_linear, fp8_linear_reference
+from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
+from sglang_dsv4.kernels.weight_mode import select_weight_mode
+from sglang_dsv4.quant import quantize_fp8_blockwise
+from sglang_dsv4.srt.state import SglangV4Cache
+from sglang_dsv4.tiny import ensure_tiny
+from sglang_dsv4.weight_bytes import checkpoint_bytes, weight_bytes
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+# V4-Flash dimensions (the V4Config defaults) cut to 4 layers (ratios 0, 4, 128, 4) and 32 experts
+FLASH4 = dict(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4, 0], n_routed_experts=32,
+              num_nextn_predict_layers=1, max_position_embeddings=65536)
+MEDIAN_REL_ERR_MAX, ARGMAX_AGREE_MIN = 0.15, 0.5
+
+
+def report(name: str, **values) -> None:
+    path = os.environ.get("DSV4_GPU_REPORT") or (os.path.join(os.environ["OUT"], "fp8_gpu.jsonl")
+                                                 if os.environ.get("OUT") else None)
+    print(name, values)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, **values}) + "\n")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references must be fp32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-30)
+
+
+def _fp8(n: int, k: int, g: torch.Generator) -> Fp8Weight:
+    return Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5))
+
+
+def test_auto_picks_fp8_here():
+    mode, why = select_weight_mode("auto", DEV, V4Config())
+    report("weight_mode_auto", mode=mode, why=why)
+    assert mode == "fp8", why
+
+
+# ---- kernels against torch --------------------------------------------------------------------
+
+@pytest.mark.parametrize("nk", [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (2048, 4096), (200, 300)])
+def test_fp8_linear_matches_the_torch_reference(nk):
+    """Triton fp8 block GEMM vs dequant(w) @ qdq(x) in fp32 torch (V4-Flash's projection shapes)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = _fp8(*nk, g)
+    worst = 0.0
+    for m in (1, 5, 64, 333):
+        x = torch.randn(m, nk[1], generator=g, device=DEV) * torch.logspace(-2, 1, nk[1], device=DEV)
+        got, ref = fp8_linear(x, w), fp8_linear_reference(x, w)
+        assert got.shape == (m, nk[0]) and got.dtype == x.dtype
+        worst = max(worst, _rel(got, ref).max().item())
+    report("fp8_linear_vs_reference", n=nk[0], k=nk[1], max_rel_err=worst)
+    assert worst < 1e-4, worst
+
+
+@pytest.mark.parametrize("first, local", [(0, 32), (16, 16)])
+def test_grouped_fp8_experts_match_the_reference_gemm(first, local, monkeypatch):
+    """The grouped kernel vs the same layout through the torch GEMM (V4-Flash expert shapes, k=6,
+    all experts or an EP share)."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    D, I, E, k = 4096, 2048, 32, 6
+    stack, _ = stack_fp8_experts([_fp8(I, D, g) for _ in range(local)], [_fp8(I, D, g) for _ in range(local)],
+                                 [_fp8(D, I, g) for _ in range(local)])
+    for T in (1, 7, 64, 300):
+        x = torch.randn(T, D, generator=g, device=DEV)
+        chosen = torch.rand(T, E, generator=g, device=DEV).argsort(1)[:, :k]
+        gates = torch.rand(T, k, generator=g, device=DEV)
+        got = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
+        with monkeypatch.context() as mp:
+            mp.setattr(fp8_moe, "fp8_gemm", fp8_gemm_reference)
+            ref = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
+        held = ((chosen >= first) & (chosen < first + local)).any(1)
+        err = _rel(got[held], ref[held])
+        report("fp8_grouped_experts_vs_reference", tokens=T, first=first, local=local,
+               median_rel_err=err.median().item(), max_rel_err=err.max().item())
+        # the activation between the GEMMs is re-quantised: an fp32-order difference may flip a
+        # rare e4m3 rounding of one of 2048 inputs, hence the looser max
+        assert err.median() < 1e-4 and err.max() < 5e-3, (err.median().item(), err.max().item())
+        assert torch.equal(got[~held], torch.zeros_like(got[~held]))
+
+
+# ---- bytes on the GPU ---------------------------------------------------------------------------
+
+def _flash4() -> V4Config:
+    return V4Config.from_dict(FLASH4)
+
+
+def _load(cfg: V4Config, mode: str, source):
+    """-> (V4Model, bytes its weights hold on the GPU: memory_allocated around the load)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    if isinstance(source, str):
+        w = load_checkpoint(source, weight_dtypes(torch.bfloat16), weight_mode=mode, device=DEV).tensors
+    else:
+        w = logical_from_stored(cfg, source(), weight_dtypes(torch.bfloat16), device=DEV, weight_mode=mode)
+    model = V4Model(cfg, w)
+    gc.collect()
+    torch.cuda.synchronize()
+    return model, torch.cuda.memory_allocated() - before
+
+
+def _expected(cfg: V4Config) -> tuple[int, int]:
+    """(the checkpoint's bytes with the fp4 experts' values counted twice; the fp8 mode's
+    accounting ``weight_bytes`` plus 3 B per 128x128 block, the GPU keeping scales as float32)."""
+    specs = checkpoint_tensors(cfg)
+    fp4_values = sum(math.prod(s.stored_shapes()[s.name]) for s in specs if s.storage is Storage.FP4)
+    blocks = sum(math.ceil(s.shape[0] / 128) * math.ceil(s.shape[1] / 128) for s in specs if keeps_fp8(s))
+    return checkpoint_bytes(cfg) + fp4_values, weight_bytes(cfg, "fp8").total + 3 * blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    return str(ensure_tiny("tiny", 0, tmp_path_factory.mktemp("dsv4cache")))
+
+
+def _source(which: str, tiny_path: str):
+    """(config, a checkpoint directory or a function giving a fresh stream of stored tensors)."""
+    if which == "tiny":
+        return V4Config.from_json(os.path.join(tiny_path, "config.json")), tiny_path
+    cfg = _flash4()
+    return cfg, lambda: random_stored(cfg, DEV, 0)
+
+
+@pytest.mark.parametrize("which", ["tiny", "flash4"])
+def test_weight_bytes_on_the_gpu(which, tiny_path):
+    cfg, source = _source(which, tiny_path)
+    model, used = _load(cfg, "fp8", source)
+    assert model.weight_mode == "fp8"
+    ckpt2x, exact = _expected(cfg)
+    del model
+    bf16_model, bf16_used = _load(cfg, "bf16", source)
+    del bf16_model
+    report("weight_bytes", config=which, fp8_gpu_bytes=used, checkpoint_bytes=checkpoint_bytes(cfg),
+           checkpoint_bytes_experts_2x=ckpt2x, fp8_vs_checkpoint_2x=used / ckpt2x, fp8_accounting=exact,
+           fp8_vs_accounting=used / exact, bf16_gpu_bytes=bf16_used,
+           bf16_vs_accounting=bf16_used / weight_bytes(cfg, "bf16").total)
+    assert abs(used / exact - 1) < 0.01, (used, exact)  # what weight_bytes / the memory CLI predict
+    assert abs(bf16_used / weight_bytes(cfg, "bf16").total - 1) < 0.01
+    if which == "flash4":
+        # the issue's criterion; tiny misses it by attn.wo_a held in bf16 (about 9% of tiny's
+        # bytes, about 3% of a V4-Flash layer): see kernels.weight_mode
+        assert abs(used / ckpt2x - 1) < 0.05, used / ckpt2x
+
+
+# ---- logits against the bf16 path ---------------------------------------------------------------
+
+class Server:
+    """The serving cache driven as SGLang drives it (as in tests/core/test_step_gpu.py)."""
+
+    def __init__(self, cfg, rows: int, max_len: int = 2048):
+        self.cache = SglangV4Cache(cfg, rows, 32768, max_seq_len=max_len, device=DEV, backend="flashmla")
+        self.cache.req_to_token = torch.zeros(rows, max_len, dtype=torch.int32, device=DEV)
+        self.next = 1
+
+    def slots(self, row: int, start: int, n: int) -> None:
+        self.cache.req_to_token[row, start:start + n] = torch.arange(self.next, self.next + n, dtype=torch.int32,
+                                                                     device=DEV)
+        self.next += n
+
+
+def _run(model, cfg, prompts, tails, graphs: bool = False):
+    """Each prompt prefilled in its own row, then len(tails[0]) batched decode steps fed the same
+    tokens (teacher forcing) -> (prefill logits [sum n, V], decode logits [steps, B, V])."""
+    if graphs:
+        model.enable_cuda_graphs(max_batch=16)
+    srv = Server(cfg, len(prompts) + 1)
+    states, pre = [], []
+    for i, p in enumerate(prompts):
+        srv.slots(i, 0, p.numel())
+        st = srv.cache.bind(i, 1, 0)
+        pre.append(model.forward(srv.cache, [st], [p.to(DEV)])[0])
+        states.append(st)
+    dec = []
+    for t in range(tails.shape[1]):
+        for i, st in enumerate(states):
+            srv.slots(i, st.num_tokens, 1)
+        dec.append(torch.cat(model.forward(srv.cache, states, [x.view(1) for x in tails[:, t]])))
+    srv.cache.check_integrity()
+    return torch.cat(pre), torch.stack(dec)
+
+
+@pytest.mark.parametrize("which", ["tiny", "flash4"])
+def test_logits_against_the_bf16_path(which, tiny_path):
+    cfg, source = _source(which, tiny_path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (37, 130, 260, 515)]
+    tails = torch.randint(0, cfg.vocab_size, (len(prompts), 64), generator=g).to(DEV)
+    out = {}
+    for mode in ("bf16", "fp8"):
+        model, _ = _load(cfg, mode, source)
+        out[mode] = _run(model, cfg, prompts, tails)
+        del model
+    for part, (a, b) in {"prefill": (out["fp8"][0], out["bf16"][0]),
+                         "decode": (out["fp8"][1].flatten(0, 1), out["bf16"][1].flatten(0, 1))}.items():
+        err = _rel(a, b)
+        agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        report("logits_fp8_vs_bf16", config=which, part=part, positions=err.numel(),
+               median_rel_err=err.median().item(), p90_rel_err=err.quantile(0.9).item(), argmax_agree=agree)
+        assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
+
+
+def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path):
+    cfg, path = _source("tiny", tiny_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 120, 125, 126, 127, 250, 255)]
+    tails = torch.randint(0, cfg.vocab_size, (8, 6), generator=g).to(DEV)
+    eager_model, _ = _load(cfg, "fp8", path)
+    eager = _run(eager_model, cfg, prompts, tails)[1]
+    graph_model, _ = _load(cfg, "fp8", path)
+    replay = _run(graph_model, cfg, prompts, tails, graphs=True)[1]
+    assert graph_model.graphs.captured
+    assert torch.equal(eager, replay)
+    # one more eager decode step with host syncs turned into errors
+    srv = Server(cfg, 3)
+    states = []
+    for i, p in enumerate(prompts[:2]):
+        srv.slots(i, 0, p.numel())
+        st = srv.cache.bind(i, 1, 0)
+        eager_model.forward(srv.cache, [st], [p.to(DEV)])
+        states.append(st)
+    rows = torch.arange(2, device=DEV)
+    ids = tails[:2, 0]
+    for _ in range(3):  # warm-up (Triton compiles on first use)
+        for i, st in enumerate(states):
+            srv.slots(i, st.num_tokens, 1)
+        ids = torch.cat(eager_model.forward(srv.cache, states, [x.view(1) for x in ids])).argmax(-1)
+    torch.cuda.synchronize()
+    pos = [st.num_tokens for st in states]
+    srv.cache.req_to_token[rows, torch.tensor(pos).to(DEV, non_blocking=True)] = torch.arange(
+        srv.next, srv.next + 2, dtype=torch.int32).to(DEV, non_blocking=True)
+    srv.next += 2
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager_model.forward(srv.cache, states, [x.view(1) for x in ids])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

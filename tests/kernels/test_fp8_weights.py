@@ -1,0 +1,301 @@
+"""The fp8 weight mode on the CPU: the exact fp4 -> fp8 conversion, the loader's fp8 form and its
+errors, the mode selection and the flag, the fp8 linear / grouped experts against torch
+references, and the Triton kernel itself under TRITON_INTERPRET=1 (issue 12)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv4.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
+from sglang_dsv4.checkpoint.loader import _shard_fp8, keeps_fp8, logical_from_stored
+from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
+from sglang_dsv4.checkpoint.writer import quantize_tensor
+from sglang_dsv4.config import V4Config
+from sglang_dsv4.core import ops
+from sglang_dsv4.core.cache import V4Cache
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.kernels import weight_mode
+from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_linear_reference, qdq_act,
+                                            quantize_act)
+from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
+from sglang_dsv4.kernels.weight_mode import WeightModeError, select_weight_mode
+from sglang_dsv4.launch_server import build_command, dsv4_arguments
+from sglang_dsv4.quant import (dequantize_fp4_packed, dequantize_fp8_blockwise, fp4_to_fp8_blockwise, fp8_qat,
+                               quantize_fp4_packed, quantize_fp8_blockwise)
+from sglang_dsv4.tiny import PRESETS, random_weights
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().view(torch.int32)
+
+
+# ---- the fp4 -> fp8 block-128 conversion ---------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(256, 512), (200, 96), (32, 64)])
+def test_fp4_to_fp8_is_exact(shape):
+    g = torch.Generator().manual_seed(0)
+    # 32-groups of different magnitudes (up to ~10 binades apart within a block)
+    w = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-4, 4, (shape[0], shape[1] // 32), generator=g)
+                                                     .float()).repeat_interleave(32, 1)
+    packed, scale = quantize_fp4_packed(w)
+    q, s = fp4_to_fp8_blockwise(packed, scale, "w")
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
+    assert tuple(s.shape) == ((shape[0] + 127) // 128, (shape[1] + 127) // 128)
+    assert torch.equal(bits(dequantize_fp8_blockwise(q, s)), bits(dequantize_fp4_packed(packed, scale)))
+
+
+def test_fp4_to_fp8_refuses_what_e4m3_cannot_hold():
+    # one 32-group 2^20 above the others in the same 128x128 block: its small neighbours would
+    # fall below e4m3's smallest subnormal under the block scale
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(1))
+    w[0, :32] *= 2.0**20
+    packed, scale = quantize_fp4_packed(w)
+    with pytest.raises(ValueError, match="experts.7.w1.weight.*not exact"):
+        fp4_to_fp8_blockwise(packed, scale, "layers.0.ffn.experts.7.w1.weight")
+
+
+# ---- the loader in fp8 mode ----------------------------------------------------------------------
+
+def _micro_cfg(**over) -> V4Config:
+    return V4Config.from_dict({**PRESETS["micro"], **over})
+
+
+def test_fp8_mode_holds_the_checkpoint_values(micro_dir):
+    deq = load_checkpoint(micro_dir).tensors
+    fp8 = load_checkpoint(micro_dir, weight_mode="fp8")
+    specs = {s.name: s for s in checkpoint_tensors(fp8.config)}
+    n = 0
+    for name, t in fp8.tensors.items():
+        if keeps_fp8(specs[name]):
+            assert isinstance(t, Fp8Weight), name
+            # every expert tensor's fp4 -> fp8 conversion (and every fp8 matrix) is exact
+            assert torch.equal(bits(t.dequantize()), bits(deq[name])), name
+            n += 1
+        else:
+            assert not isinstance(t, Fp8Weight) and torch.equal(t, deq[name]), name
+    experts = [s for s in specs.values() if s.storage is Storage.FP4]
+    assert n > len(experts) > 0
+    assert not isinstance(fp8.tensors["layers.0.attn.wo_a.weight"], Fp8Weight)  # bf16 in every mode
+
+
+def _stored(cfg: V4Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    logical = random_weights(cfg, seed)
+    out = {}
+    for spec in checkpoint_tensors(cfg):
+        out.update(quantize_tensor(spec, logical[spec.name]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def micro_stored():
+    cfg = _micro_cfg()
+    return cfg, _stored(cfg)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_missing_and_misshapen_scales_are_named(micro_stored, mode):
+    cfg, stored = micro_stored
+    bad = dict(stored)
+    del bad["layers.1.attn.wq_b.scale"]
+    bad["layers.2.ffn.experts.3.w2.scale"] = bad["layers.2.ffn.experts.3.w2.scale"][:, :-1]
+    with pytest.raises(CheckpointError) as e:
+        logical_from_stored(cfg, bad, weight_mode=mode)
+    msg = str(e.value)
+    assert "missing tensor layers.1.attn.wq_b.scale" in msg
+    assert "tensor layers.2.ffn.experts.3.w2.scale: expected shape [64, 1] float8_e8m0fnu, got [64, 0]" in msg
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_nan_scales_are_named(micro_stored, mode):
+    cfg, stored = micro_stored
+    bad = dict(stored)
+    s = bad["layers.0.attn.wkv.scale"].clone()
+    s.view(torch.uint8)[0, 0] = 0xFF
+    bad["layers.0.attn.wkv.scale"] = s
+    with pytest.raises(CheckpointError, match="layers.0.attn.wkv.scale: holds NaN"):
+        logical_from_stored(cfg, bad, weight_mode=mode)
+
+
+def test_fp8_mode_on_a_bf16_expert_checkpoint_names_the_flag(tmp_path):
+    cfg = _micro_cfg(expert_dtype="bf16")
+    path = write_checkpoint(cfg, random_weights(cfg, 0), tmp_path / "ckpt")
+    assert load_checkpoint(path).tensors  # the bf16 mode reads it
+    with pytest.raises(CheckpointError, match=r"--dsv4-weights fp8 \(dsv4_weights\).*bf16 \(config expert_dtype\)"):
+        load_checkpoint(path, weight_mode="fp8")
+    with pytest.raises(WeightModeError, match="--dsv4-weights fp8.*expert_dtype"):
+        _select_on_gpu("fp8", cfg)
+    assert _select_on_gpu("auto", cfg)[0] == "bf16"
+    with pytest.raises(ValueError, match="weight_mode"):
+        load_checkpoint(path, weight_mode="auto")
+
+
+def _select_on_gpu(mode, cfg):
+    """select_weight_mode as on an H200 where the kernels import."""
+    saved = weight_mode.fp8_missing
+    weight_mode.fp8_missing = lambda device: None
+    try:
+        return select_weight_mode(mode, "cuda", cfg)
+    finally:
+        weight_mode.fp8_missing = saved
+
+
+def test_fp8_shards_cut_values_and_scales_alike():
+    w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(512, 384)))
+    ref = w.dequantize()
+    for rule in (lambda t: t[128:384].clone(), lambda t: t[:, 256:].contiguous()):
+        part = _shard_fp8("x", w, lambda _n, t: rule(t))
+        assert torch.equal(part.dequantize(), rule(ref))
+    with pytest.raises(CheckpointError, match="x: this rank's slice .* 128x128"):
+        _shard_fp8("x", w, lambda _n, t: t[:, 100:200].contiguous())
+    assert _shard_fp8("x", w, lambda _n, t: None) is None
+
+
+# ---- mode selection and the flag -----------------------------------------------------------------
+
+def test_mode_selection_on_this_cpu():
+    cfg = _micro_cfg()
+    assert select_weight_mode(None, "cpu", cfg)[0] == "bf16"
+    mode, why = select_weight_mode("auto", "cpu", cfg)
+    assert mode == "bf16" and "fp8 unavailable" in why and "device is cpu" in why
+    assert select_weight_mode("bf16", "cpu", cfg)[0] == "bf16"
+    with pytest.raises(WeightModeError, match=r"--dsv4-weights fp8 \(dsv4_weights\): cannot run here.*cpu"):
+        select_weight_mode("fp8", "cpu", cfg)
+    with pytest.raises(WeightModeError, match="w4a16.*not available.*Marlin"):
+        select_weight_mode("w4a16", "cpu", cfg)
+    with pytest.raises(WeightModeError, match="unknown weight mode 'int4'"):
+        select_weight_mode("int4", "cpu", cfg)
+    assert _select_on_gpu("auto", cfg)[0] == "fp8" and _select_on_gpu("fp8", cfg)[0] == "fp8"
+
+
+def test_weights_flag():
+    out = dsv4_arguments(["--model-path", "x", "--dsv4-weights", "fp8"])
+    assert json.loads(out[out.index("--json-model-override-args") + 1]) == {"dsv4_weights": "fp8"}
+    with pytest.raises(SystemExit, match="expected one of auto, bf16, fp8"):
+        dsv4_arguments(["--dsv4-weights=int8"])
+    with pytest.raises(SystemExit, match="w4a16: not available"):
+        dsv4_arguments(["--dsv4-weights", "w4a16"])
+    with pytest.raises(SystemExit, match="cannot run here.*device is cpu"):
+        build_command(["--model-path", "x", "--dsv4-weights", "fp8"], cuda=False)
+    cmd, _ = build_command(["--model-path", "x", "--dsv4-weights=auto"], cuda=False)
+    assert '{"dsv4_weights": "auto"}' in cmd
+
+
+# ---- the fp8 linear and experts against torch references -----------------------------------------
+
+def test_activation_quantisation_is_v4s_qat():
+    x = torch.randn(9, 384) * torch.logspace(-3, 3, 384)
+    assert torch.equal(qdq_act(x), fp8_qat(x, 128))  # e4m3, groups of 128, ue8m0 (pow-2) scales
+    q, s = quantize_act(x[:, :300])  # K not a multiple of 128: the last group zero-padded
+    assert q.shape == (9, 384) and s.shape == (9, 3)
+    assert torch.equal(torch.log2(s), torch.log2(s).round())
+    assert torch.equal(dequantize_act(q, s, 300)[:, :256], fp8_qat(x[:, :256], 128))
+
+
+def test_linear_dispatches_fp8_weights():
+    w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(200, 300) * 0.05))
+    x = torch.randn(5, 300)
+    y = ops.linear(x, w)
+    ref = qdq_act(x) @ w.dequantize().t()
+    assert y.shape == (5, 200) and torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, fp8_linear_reference(ops.pad_rows(x), w)[:5])
+
+
+def _fp8_experts(cfg, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    mk = lambda o, i: Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(o, i, generator=g) * i ** -0.5))
+    return [mk(I, D) for _ in range(E)], [mk(I, D) for _ in range(E)], [mk(D, I) for _ in range(E)]
+
+
+@pytest.mark.parametrize("experts", [range(0, 8), range(4, 8)])
+def test_grouped_fp8_experts_equal_the_sorted_loop(experts):
+    """The grouped layout (sorting, padding, per-block experts, EP shares) with the reference GEMM
+    against ``_sorted_experts`` over the same fp8 experts (per-expert ``ops.linear``)."""
+    cfg = _micro_cfg()
+    w1, w3, w2 = _fp8_experts(cfg, len(experts))
+    stack, views = stack_fp8_experts(w1, w3, w2)
+    w = {}
+    for i, e in enumerate(experts):
+        for m, v in zip(("w1", "w3", "w2"), views[i]):
+            w[f"ffn.experts.{e}.{m}.weight"] = v
+    for (a, b, c), v in zip(zip(w1, w3, w2), views):  # the views are the matrices themselves
+        assert all(torch.equal(x.dequantize(), y.dequantize()) for x, y in zip((a, b, c), v))
+    g = torch.Generator().manual_seed(3)
+    T = 37
+    x = torch.randn(T, cfg.hidden_size, generator=g)
+    chosen = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                          for _ in range(T)])
+    gates = torch.rand(T, cfg.num_experts_per_tok, generator=g)
+    grouped = fp8_grouped_experts(x, chosen, gates, stack, experts.start, cfg.swiglu_limit)
+    loop = ops._sorted_experts(x, chosen, gates, w, cfg, experts)
+    err = (grouped - loop).norm(dim=-1) / loop.norm(dim=-1).clamp_min(1e-30)
+    held = ((chosen >= experts.start) & (chosen < experts.stop)).any(1)
+    assert err[held].max() < 1e-5, f"max rel err {err[held].max():.3g}"
+    assert torch.equal(grouped[~held], torch.zeros_like(grouped[~held]))
+
+
+def test_micro_model_runs_in_fp8_mode(micro_dir):
+    """The whole model over fp8 weights (CPU: the torch references): close to the dequantised
+    model, as the activation quantisation allows."""
+    outs = []
+    for mode in ("bf16", "fp8"):
+        ckpt = load_checkpoint(micro_dir, weight_mode=mode)
+        model = V4Model(ckpt.config, ckpt.tensors)
+        assert model.weight_mode == mode
+        cache = V4Cache(ckpt.config, max_requests=1, max_total_tokens=512)
+        req = cache.new_request()
+        ids = torch.randint(0, ckpt.config.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+        out = [model.forward(cache, [req], [ids[:16]])[0]]
+        out += [model.forward(cache, [req], [ids[t:t + 1]])[0] for t in range(16, 24)]
+        outs.append(torch.cat(out))
+    err = (outs[1] - outs[0]).norm(dim=-1) / outs[0].norm(dim=-1)
+    assert torch.isfinite(outs[1]).all() and 0 < err.median() < 0.3
+
+
+# ---- the Triton kernel, interpreted on the CPU ----------------------------------------------------
+
+_INTERPRETED = r"""
+import torch
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm, fp8_gemm_reference, fp8_linear, fp8_linear_reference, quantize_act
+from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
+from sglang_dsv4.quant import quantize_fp8_blockwise
+torch.manual_seed(0)
+mk = lambda n, k: Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k) * k ** -0.5))
+worst = 0.0
+for M, N, K in [(1, 128, 128), (3, 200, 300), (20, 256, 256), (33, 64, 640)]:
+    w, x = mk(N, K), torch.randn(M, K)
+    a, b = fp8_linear(x, w), fp8_linear_reference(x, w)
+    worst = max(worst, ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item())
+E, D, I, T, k = 6, 256, 160, 19, 3
+stack, _ = stack_fp8_experts([mk(I, D) for _ in range(E)], [mk(I, D) for _ in range(E)], [mk(D, I) for _ in range(E)])
+x = torch.randn(T, D)
+chosen = torch.stack([torch.randperm(8)[:k] for _ in range(T)])
+gates = torch.rand(T, k)
+import sglang_dsv4.kernels.fp8_linear as fl
+for first in (0, 2):
+    got = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
+    fl.INTERPRET = False  # the reference GEMM, same layout
+    ref = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
+    fl.INTERPRET = True
+    held = ref.norm(dim=-1) > 0
+    worst = max(worst, ((got - ref).norm(dim=-1)[held] / ref.norm(dim=-1)[held]).max().item())
+    assert torch.equal(got[~held], ref[~held])
+print("WORST", worst)
+"""
+
+
+def test_triton_kernel_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    worst = float(r.stdout.split("WORST")[1])
+    assert worst < 1e-5, worst
