@@ -9,10 +9,16 @@ weight (applied before w2, as ``core.ops._sorted_experts`` and [REF] ``Expert.fo
 the activation quantisation; GEMM 2 multiplies by w2. Outputs go back to their pairs by a gather
 and are summed over the k slots in slot order (deterministic).
 
-SGLang's own ``fused_experts`` is not used: its activation is a plain SiLU-and-mul (no clamp,
-it lives in ``sgl_kernel``) and its routed-weight product comes after w2; calling its Triton
-GEMM twice with our activation between is what this module does, with the GEMM of
-``fp8_linear`` (same inner loop) so that the dense and expert paths share one kernel.
+SGLang's own ``fused_experts`` (``srt/layers/moe/moe_runner/triton_utils/fused_moe.py``) is not
+used. It does know V4's clamp (``swiglu_limit``, asserted to be 10, through its CUDA
+``silu_and_mul_clamp`` or ``act_and_mul_triton``), but it multiplies the routed weight into w2's
+output (``MUL_ROUTED_WEIGHT``) or into the input of w1, while V4 weights w2's input, before that
+input is quantised (the two differ once activations are quantised: the weight is not a power of
+two); its module imports ``sgl_kernel`` at import and its ``moe_align_block_size`` is a CUDA op of
+``sglang.kernels``, neither of which the core's GPU image has. So this module calls a Triton GEMM
+twice with our activation between, the GEMM of ``fp8_linear`` (the inner loop of SGLang's block
+fp8 matmul, with the fused MoE's row table and per-block experts), so that the dense and expert
+paths share one kernel.
 
 Shapes depend only on (T, k, local experts): no host sync, CUDA-graph capturable. Pairs routed
 to experts another rank holds (expert parallelism) are dropped; their output is zero.
