@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -45,21 +44,17 @@ def fp8_qat(x: torch.Tensor, block: int = 64, amax_floor: float = 1e-4) -> torch
     return (q * scale).flatten(-2)
 
 
-@functools.lru_cache(maxsize=16)
-def _e2m1_tables(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(magnitudes, midpoints) of e2m1 on a device, built once (a step copies no table)."""
-    mags = E2M1_VALUES[:8].to(device, dtype)
-    return mags, (mags[1:] + mags[:-1]) / 2
-
-
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest e2m1 value, ties to the even code; input already within [-6, 6]."""
-    mags, midpoints = _e2m1_tables(str(x.device), x.dtype)
-    mag = x.abs().contiguous()
-    idx = torch.searchsorted(midpoints, mag)  # mag <= midpoints[idx]
-    tie = (idx < 7) & (mag == midpoints[idx.clamp(max=6)])
-    code = torch.where(tie & (idx % 2 == 1), idx + 1, idx)
-    return torch.copysign(mags[code], x)
+    """Round to the nearest e2m1 value, ties to the even code; input already within [-6, 6].
+
+    The grid has steps 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6], and on each piece the even
+    code is the even multiple of the step, so round-half-to-even of mag / step is the rule: pure
+    arithmetic (no table, so a compiled graph holds no host constant), exact in any float dtype.
+    """
+    mag = x.abs()
+    q = torch.where(mag < 2, torch.round(mag * 2) * 0.5,
+                    torch.where(mag < 4, torch.round(mag), torch.round(mag * 0.5) * 2))
+    return torch.copysign(q, x)
 
 
 def fp4_qat(x: torch.Tensor, block: int = 32) -> torch.Tensor:

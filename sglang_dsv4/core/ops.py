@@ -7,6 +7,7 @@ Shapes: T tokens, D hidden, H heads, Dh head dim, hc residual streams.
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import lru_cache
 
@@ -17,6 +18,7 @@ from ..config import RopeScaling, V4Config, yarn_ramp_bounds
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from ..quant import fp4_qat, fp8_qat, hadamard
+from .compiled import on_gpu
 from .step import CPU_TOKEN_TILE
 
 Tensor = torch.Tensor
@@ -51,6 +53,7 @@ def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
     return y[:n] if y.shape[0] != n else y
 
 
+@on_gpu
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * weight if weight is not None else y
@@ -105,6 +108,7 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freqs: Tensor, inverse: bool = 
 
 # ---- manifold-constrained hyper-connections (§5) ----------------------------------------------
 
+@on_gpu
 def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
     """Reduce the hc streams to one input. h: [T, hc, D] -> (y [T, D], post [T, hc], comb [T, hc, hc])."""
     hc, eps = cfg.hc_mult, cfg.hc_eps
@@ -113,20 +117,43 @@ def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) ->
     pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
-    comb = torch.softmax(comb, dim=-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    comb = sinkhorn(torch.softmax(comb, dim=-1) + eps, cfg.hc_sinkhorn_iters, eps)
     y = torch.einsum("th,thd->td", pre, h)
     return y, post, comb
 
 
+def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
+    """Alternate column / row normalisation of [T, hc, hc] (a column first, ``iters`` columns).
+
+    On a GPU the sums over the tiny hc axis are written as explicit adds of its slices: then the
+    whole loop is elementwise and ``torch.compile`` fuses it into one kernel instead of two per
+    iteration (the same adds in the same order: torch's hc-long sums, to rounding)."""
+    def col_sum(c: Tensor) -> Tensor:
+        if not c.is_cuda:
+            return c.sum(-2, keepdim=True)
+        parts = c.unbind(-2)
+        return functools.reduce(torch.add, parts[1:], parts[0]).unsqueeze(-2)
+
+    def row_sum(c: Tensor) -> Tensor:
+        if not c.is_cuda:
+            return c.sum(-1, keepdim=True)
+        parts = c.unbind(-1)
+        return functools.reduce(torch.add, parts[1:], parts[0]).unsqueeze(-1)
+
+    comb = comb / (col_sum(comb) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (row_sum(comb) + eps)
+        comb = comb / (col_sum(comb) + eps)
+    return comb
+
+
+@on_gpu
 def hc_post(f: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Expand a sublayer output back to the streams: h'[k] = post_k f + sum_j comb[j, k] h[j]."""
     return post.unsqueeze(-1) * f.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, h)
 
 
+@on_gpu
 def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> Tensor:
     """Final stream merge before the output norm (§5.6). h: [T, hc, D] -> [T, D]."""
     flat = h.flatten(1)
@@ -137,6 +164,7 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
 
 # ---- attention projections (§2.2-§2.5) ------------------------------------------------------
 
+@on_gpu
 def project_q(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
               cfg: V4Config) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer)."""
@@ -146,6 +174,7 @@ def project_q(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Ten
     return apply_rope(q, positions, inv_freqs), qr
 
 
+@on_gpu
 def project_kv(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
                cfg: V4Config, quant_sim: bool) -> Tensor:
     """x: [T, D] -> window KV [T, Dh] (one shared head; K = V)."""
@@ -159,6 +188,7 @@ def _fp8_nope(kv: Tensor, cfg: V4Config) -> Tensor:
     return torch.cat((fp8_qat(kv[..., :nope], 64), kv[..., nope:]), dim=-1)
 
 
+@on_gpu
 def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
                      cfg: V4Config) -> Tensor:
     """o: [T, H, Dh] -> [T, D]: inverse RoPE by the query position, grouped wo_a, then wo_b."""
@@ -208,6 +238,7 @@ def window_indices(positions: Tensor, window: int, first_pos: int) -> Tensor:
 
 # ---- compressor (§3) -----------------------------------------------------------------------
 
+@on_gpu
 def compressor_projections(x: Tensor, w: dict[str, Tensor], prefix: str, positions: Tensor,
                            ratio: int) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (a [T, coff*d], s [T, coff*d]); s includes ape[p mod r]."""
@@ -227,6 +258,7 @@ def pool_c4(a: Tensor, s: Tensor) -> Tensor:
     return pool_c4_windows(torch.cat((a[:-1], a[1:]), dim=1), torch.cat((s[:-1], s[1:]), dim=1))
 
 
+@on_gpu
 def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
     """The entry each 8-row window completes: a, s [N, 8, 2d] = rows of groups j-1 and j -> [N, d].
 
@@ -260,6 +292,7 @@ def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width:
     return torch.stack((m, total, acc), dim=1)
 
 
+@on_gpu
 def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_positions: Tensor,
                    inv_freqs: Tensor, cfg: V4Config, is_indexer: bool, quant_sim: bool) -> Tensor:
     """Pooled [N, d] -> compressed entries: norm, RoPE at the group's first token, then FP8 (main)
@@ -274,6 +307,7 @@ def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_posi
 
 # ---- lightning indexer (§4) ----------------------------------------------------------------
 
+@on_gpu
 def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], positions: Tensor,
                     inv_freqs: Tensor, cfg: V4Config, quant_sim: bool) -> tuple[Tensor, Tensor]:
     """-> (qI [T, Hi, Di] rotated, Hadamard'ed, FP4; head weights [T, Hi])."""
@@ -291,6 +325,7 @@ def indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
     return torch.einsum("th,thn->tn", head_weights, F.relu(torch.einsum("thd,nd->thn", qi, keys)))
 
 
+@on_gpu
 def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
     """Per request: qi [B, L, Hi, Di], head weights [B, L, Hi], its keys [B, N, Di] -> [B, L, N].
 
@@ -301,6 +336,7 @@ def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Te
     return (head_weights.unsqueeze(-1) * F.relu(dots)).sum(2)
 
 
+@on_gpu
 def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
     """Top-min(k, visible) entries per row among j < num_visible[t]; -1 pads. -> [T, k].
 
@@ -334,15 +370,25 @@ def routed_experts(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Co
     ``experts`` (default: all) limits the sum to the experts held here; routing is decided over
     all experts, so the sums of disjoint ranges add up to the full one (expert parallelism).
     """
-    scores = torch.sqrt(F.softplus(linear(x, w["ffn.gate.weight"])))
     if hash_routed:
-        chosen = w["ffn.gate.tid2eid"][token_ids].long()
+        chosen, gates = route_tokens(x, w["ffn.gate.weight"], w["ffn.gate.tid2eid"][token_ids], cfg)
     else:
-        chosen = torch.topk(scores + w["ffn.gate.bias"], cfg.num_experts_per_tok, dim=-1).indices
-    gates = scores.gather(1, chosen)
-    gates = gates / gates.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+        chosen, gates = route_tokens(x, w["ffn.gate.weight"], w["ffn.gate.bias"], cfg)
     local = experts if experts is not None else range(cfg.n_routed_experts)
     return grouped_experts(x, chosen, gates, w, cfg, local)
+
+
+@on_gpu
+def route_tokens(x: Tensor, gate: Tensor, bias_or_chosen: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor]:
+    """-> (chosen experts [T, k], gate weights [T, k]): sqrt-softplus scores; top-k of scores +
+    bias, or (hash-routed layers: an integer ``bias_or_chosen``) the token's fixed experts."""
+    scores = torch.sqrt(F.softplus(linear(x, gate)))
+    if bias_or_chosen.is_floating_point():
+        chosen = torch.topk(scores + bias_or_chosen, cfg.num_experts_per_tok, dim=-1).indices
+    else:
+        chosen = bias_or_chosen.long()
+    gates = scores.gather(1, chosen)
+    return chosen, gates / gates.sum(-1, keepdim=True) * cfg.routed_scaling_factor
 
 
 def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tensor], cfg: V4Config,
@@ -460,6 +506,7 @@ def _sorted_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
     return out
 
 
+@on_gpu
 def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config) -> Tensor:
     """The shared expert's output, [T, D] (V4 has one; callers check ``n_shared_experts``)."""
     p = "ffn.shared_experts"
