@@ -23,7 +23,7 @@ from ..kernels.backend import AttentionBackend
 from ..kernels.dispatch import select_backend
 from .pages import EntryPagePool
 from .slot_state import SlotStateLayout
-from .step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width, stage
+from .step import RATIOS, StepBatch, StepTables, TablePlan, completing_tokens, entry_width
 
 Tensor = torch.Tensor
 
@@ -134,12 +134,11 @@ class V4Cache:
                     for q, n in zip(reqs, num_new)]
                 for r, pool in self.pools.items()}
 
-    def step_tables(self, reqs: list[RequestState], step: StepBatch) -> StepTables:
-        """The step's tables from the page tables (built on the host: this is the reference)."""
-        lens, starts = step.lens_host, step.starts_host
+    def plan_tables(self, reqs: list[RequestState], starts: list[int], lens: list[int],
+                    positions: Tensor) -> TablePlan:
+        """The step's tables from the page tables, all built on the host (this is the reference)."""
         reserved = self.reserve_entries(list(reqs), lens)
-        write, table = {}, {}
-        positions = step.positions_host
+        write, table, widths = {}, {}, {}
         for r, pool in self.pools.items():
             rows = torch.full((positions.numel(),), pool.scratch_row, dtype=torch.long)
             done = completing_tokens(positions, r)
@@ -149,9 +148,12 @@ class V4Cache:
             for i, (q, s, n) in enumerate(zip(reqs, starts, lens)):
                 m = (s + n) // r
                 t[i, :m] = self.entry_rows(q, r, m)
-            write[r], table[r] = rows, t
-        staged = stage({f"w{r}": write[r] for r in write} | {f"t{r}": table[r] for r in table}, self.device)
-        return StepTables({r: staged[f"w{r}"] for r in write}, {r: staged[f"t{r}"] for r in table})
+            write[r], table[r], widths[r] = rows, t, width
+        return TablePlan(write, table, widths)
+
+    def apply_tables(self, step: StepBatch, write: dict[int, Tensor], entries: dict[int, Tensor] | None,
+                     widths: dict[int, int]) -> StepTables:
+        return StepTables(write, entries)
 
     def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
         """Storage rows (in ``pools[ratio].tensors``) of the request's entries 0..num_entries-1."""

@@ -3,9 +3,14 @@
 A decode step's kernels depend only on its shapes: the batch (padded up to a bucket with
 requests of the scratch slot, which write only scratch rows), the entry-table widths (power-of-two
 buckets, ``step.entry_width``) and the storage it reads. So the step is captured once per such
-key and replayed with the step's index tensors copied into the graph's static inputs. Host work
-(``build_step``, ``step_tables``) stays outside the graph. A graph is dropped when a pool it reads
-was reallocated (pools grow by whole pages, rarely).
+key, from the cache's device-side table work (``V4CacheView.apply_tables``) through the final
+norm, and replayed after one host-to-device copy of its inputs.
+
+The host side of a replay is small and flat in the model's depth: the cache's host bookkeeping
+(``plan_tables``: entry rows by count), one list of integers per step (positions, slots, ratio-128
+segment flags, write rows; padded to the bucket on the host) staged into the graph's input buffer,
+the token ids copied beside it, and the replay. Nothing is rebuilt on the device per step. A
+graph is dropped when a pool it reads was reallocated (pools grow by whole pages, rarely).
 
 Capture runs a warm-up step on an all-scratch input first (so no request's state moves twice).
 """
@@ -14,68 +19,31 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .step import C128_FIELDS, C128Segments, StepBatch, StepTables
+from .step import C128, C128Segments, StepBatch, TablePlan
 
 if TYPE_CHECKING:
+    from .cache import RequestState
     from .model import V4Model
     from .step import V4CacheView
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-_STEP_TENSORS = ("ids", "positions", "tok_req", "row0", "slots", "starts", "ends")
-
-
-def decode_padded(step: StepBatch, batch: int, scratch_rows: dict[int, int]) -> StepBatch:
-    """A decode ``step`` with requests of the scratch slot (position 0, completing nothing) up to
-    ``batch`` requests; its tables padded with scratch rows and empty entry lists."""
-    pad = batch - step.num_reqs
-    if pad <= 0:
-        return step
-    dev, B = step.ids.device, step.num_reqs
-    extra = torch.arange(B, batch, device=dev)
-    zeros = torch.zeros(pad, dtype=torch.long, device=dev)
-
-    def cat(x: Tensor, tail: Tensor) -> Tensor:
-        return torch.cat((x, tail.to(x.dtype)))
-
-    seg = step.c128
-    if seg is not None:
-        seg = C128Segments(tok=cat(seg.tok, extra[:, None]), carry=cat(seg.carry, zeros.bool()),
-                           store_slot=cat(seg.store_slot, zeros + step.scratch_slot),
-                           completes=cat(seg.completes, zeros.bool()), last_tok=cat(seg.last_tok, extra),
-                           first_pos=cat(seg.first_pos, zeros), width=seg.width)
-    tables = StepTables(
-        {r: cat(w, zeros + scratch_rows[r]) for r, w in step.tables.write_rows.items()},
-        {r: cat(t, torch.full((pad, t.shape[1]), -1, dtype=t.dtype, device=dev)) for r, t in
-         step.tables.entry_rows.items()})
-    return StepBatch(ids=cat(step.ids, zeros), positions=cat(step.positions, zeros), tok_req=cat(step.tok_req, extra),
-                     row0=cat(step.row0, extra), slots=cat(step.slots, zeros + step.scratch_slot),
-                     starts=cat(step.starts, zeros), ends=cat(step.ends, zeros + 1), scratch_slot=step.scratch_slot,
-                     starts_host=step.starts_host + [0] * pad, lens_host=step.lens_host + [1] * pad,
-                     positions_host=torch.cat((step.positions_host, torch.zeros(pad, dtype=torch.long))),
-                     c128=seg, tables=tables, num_real=B)
+# per-request int64 fields of the graph's input buffer, in order (then write rows, entry tables)
+_FIELDS = ("positions", "slots", "ends", "carry", "store_slot", "completes", "first_pos")
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: StepBatch   # static input tensors the replay reads
-    out: Tensor         # static output: final residual streams [batch, hc, D]
-
-    def load(self, step: StepBatch) -> None:
-        for name in _STEP_TENSORS:
-            getattr(self.inputs, name).copy_(getattr(step, name))
-        if step.c128 is not None:
-            for name in C128_FIELDS:
-                getattr(self.inputs.c128, name).copy_(getattr(step.c128, name))
-        for r, w in step.tables.write_rows.items():
-            self.inputs.tables.write_rows[r].copy_(w)
-            self.inputs.tables.entry_rows[r].copy_(step.tables.entry_rows[r])
+    ids: Tensor            # [batch] static token ids
+    inputs: Tensor         # [n] static int64 inputs (``_FIELDS``, write rows, entry tables)
+    streams: Tensor        # [batch, hc, D] final residual streams
+    hidden: Tensor         # [batch, D] normed final hidden states (the head's input)
 
 
 class DecodeGraphs:
@@ -87,62 +55,133 @@ class DecodeGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: list[tuple[int, tuple[int, ...]]] = []
+        self._aranges: dict[int, Tensor] = {}
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, cache: V4CacheView, step: StepBatch) -> Tensor | None:
-        """The final streams of a decode ``step`` [B, hc, D] by graph replay, or None when the
-        step has no bucket (larger than ``max_batch``): the caller runs it eagerly."""
-        b = self.bucket(step.num_reqs)
-        if b is None:
+    def run(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor]
+            ) -> tuple[Tensor, Tensor] | None:
+        """(final streams [B, hc, D], normed hidden [B, D]) of a decode step of ``reqs`` (one new
+        token each) by graph replay; None when the step is no decode step or has no bucket."""
+        B = len(reqs)
+        b = self.bucket(B)
+        if b is None or any(t.numel() != 1 for t in ids):
             return None
-        rows = {r: p.scratch_row for r, p in cache.pools.items()}
-        padded = decode_padded(step, b, rows)
-        widths = tuple(padded.tables.entry_rows[r].shape[1] for r in sorted(rows))
+        starts = [r.num_tokens for r in reqs]
+        plan = cache.plan_tables(reqs, starts, [1] * B, torch.tensor(starts))
+        ratios = sorted(plan.widths)
+        widths = tuple(plan.widths[r] for r in ratios)
         storage = tuple(t.data_ptr() for p in cache.pools.values() for t in p.tensors.values())
         key = (b, widths, storage, id(cache))
         g = self.graphs.get(key)
         if g is None:
             self._drop_stale(b, widths, id(cache))
-            g = self.graphs[key] = self._capture(cache, padded, rows)
+            g = self.graphs[key] = self._capture(cache, b, plan.widths, plan.entries is not None)
             self.captured.append((b, widths))
             logger.info("sglang_dsv4: captured the decode step for batch %d (entry widths %s)", b, widths)
-        g.load(padded)
+        host = decode_inputs(cache, reqs, starts, plan, b)
+        g.inputs.copy_(host.pin_memory(), non_blocking=True)
+        flat_ids = ids[0] if B == 1 else torch.cat(list(ids))
+        g.ids[:B].copy_(flat_ids.to(g.ids.device, non_blocking=True))
         g.graph.replay()
-        return g.out[:step.num_reqs]
+        return g.streams[:B], g.hidden[:B]
 
     def _drop_stale(self, b: int, widths: tuple[int, ...], cache_id: int) -> None:
         for k in [k for k in self.graphs if k[0] == b and k[1] == widths and k[3] == cache_id]:
             del self.graphs[k]  # its pools were reallocated
 
-    def _capture(self, cache: V4CacheView, like: StepBatch, scratch_rows: dict[int, int]) -> _Graph:
-        static = _scratch_copy(like, scratch_rows)
-        model = self.model
+    def _arange(self, b: int, device: torch.device) -> Tensor:
+        if b not in self._aranges:
+            self._aranges[b] = torch.arange(b, device=device)
+        return self._aranges[b]
+
+    def _capture(self, cache: V4CacheView, b: int, widths: dict[int, int], host_entries: bool) -> _Graph:
+        model, dev = self.model, self.model.device
+        ratios = sorted(widths)
+        n = len(_FIELDS) * b + len(ratios) * b + (sum(b * widths[r] for r in ratios) if host_entries else 0)
+        scratch = cache.layout.scratch_slot(cache.slot_state)
+        inputs = torch.zeros(n, dtype=torch.long, device=dev)
+        ids = torch.zeros(b, dtype=torch.long, device=dev)
+        f, write, entries = input_views(inputs, b, widths, host_entries)
+        # an all-scratch step: scratch slots, ends 1, scratch write rows, empty entry tables
+        f["slots"].fill_(scratch)
+        f["store_slot"].fill_(scratch)
+        f["ends"].fill_(1)
+        for r in ratios:
+            write[r].fill_(cache.pools[r].scratch_row)
+            if host_entries:
+                entries[r].fill_(-1)
+        ar = self._arange(b, dev)
+        with_c128 = bool(model.cfg.c128_layers)
+
+        def body() -> tuple[Tensor, Tensor]:  # everything from the input buffer on is captured
+            step = decode_step(f, ids, ar, scratch, with_c128)
+            step.tables = cache.apply_tables(step, write, entries, widths)
+            h = model.forward_step(cache, step)
+            return h, model.head_input(h)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up on scratch rows only (kernel set-up, autotuning)
-            model.forward_step(cache, static)
+        with torch.cuda.stream(stream):  # warm-up on scratch rows only (kernel set-up, compilation)
+            body()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = model.forward_step(cache, static)
-        return _Graph(graph, static, out)
+            streams, hidden = body()
+        return _Graph(graph, ids, inputs, streams, hidden)
 
 
-def _scratch_copy(like: StepBatch, scratch_rows: dict[int, int]) -> StepBatch:
-    """Static input tensors of ``like``'s shapes, holding an all-scratch step."""
-    B, dev = like.num_reqs, like.ids.device
-    ar = torch.arange(B, device=dev)
-    zeros = torch.zeros(B, dtype=torch.long, device=dev)
-    seg = like.c128
-    if seg is not None:
-        seg = C128Segments(tok=ar[:, None].clone(), carry=zeros.bool(), store_slot=zeros + like.scratch_slot,
-                           completes=zeros.bool(), last_tok=ar.clone(), first_pos=zeros.clone(), width=seg.width)
-    tables = StepTables({r: zeros + scratch_rows[r] for r in like.tables.write_rows},
-                        {r: torch.full_like(t, -1) for r, t in like.tables.entry_rows.items()})
-    return StepBatch(ids=zeros.clone(), positions=zeros.clone(), tok_req=ar.clone(), row0=ar.clone(),
-                     slots=zeros + like.scratch_slot, starts=zeros.clone(), ends=zeros + 1,
-                     scratch_slot=like.scratch_slot, starts_host=list(like.starts_host),
-                     lens_host=list(like.lens_host), positions_host=like.positions_host.clone(), c128=seg,
-                     tables=tables, num_real=like.num_real)
+def decode_inputs(cache: V4CacheView, reqs: Sequence[RequestState], starts: list[int], plan: TablePlan,
+                  b: int) -> Tensor:
+    """A decode step's int64 graph inputs on the host, in ``input_views``' order, padded to ``b``
+    requests (the scratch slot at position 0, writing scratch rows, empty entry tables)."""
+    pad = b - len(reqs)
+    scratch = cache.layout.scratch_slot(cache.slot_state)
+    slots = [r.slot for r in reqs]
+    vals: list[int] = []
+    vals += starts + [0] * pad                                            # positions
+    vals += slots + [scratch] * pad                                       # slots
+    vals += [p + 1 for p in starts] + [1] * pad                           # ends
+    vals += [int(p % C128 != 0) for p in starts] + [0] * pad              # carry
+    vals += slots + [scratch] * pad                                       # store_slot
+    vals += [int((p + 1) % C128 == 0) for p in starts] + [0] * pad        # completes
+    vals += [p - p % C128 for p in starts] + [0] * pad                    # first_pos
+    ratios = sorted(plan.widths)
+    for r in ratios:
+        vals += plan.write[r].tolist() + [cache.pools[r].scratch_row] * pad
+    host = torch.tensor(vals, dtype=torch.long)
+    if plan.entries is not None:  # host-built entry tables (the reference cache)
+        tabs = [torch.nn.functional.pad(plan.entries[r], (0, 0, 0, pad), value=-1).flatten() for r in ratios]
+        host = torch.cat([host] + tabs)
+    return host
+
+
+def input_views(inputs: Tensor, b: int, widths: dict[int, int], host_entries: bool):
+    """Views of a graph's input buffer -> (per-request fields, write rows, entry tables or None)."""
+    f = dict(zip(_FIELDS, inputs[:len(_FIELDS) * b].view(len(_FIELDS), b)))
+    off = len(_FIELDS) * b
+    ratios = sorted(widths)
+    write = {}
+    for r in ratios:
+        write[r] = inputs[off:off + b]
+        off += b
+    entries = None
+    if host_entries:
+        entries = {}
+        for r in ratios:
+            entries[r] = inputs[off:off + b * widths[r]].view(b, widths[r])
+            off += b * widths[r]
+    return f, write, entries
+
+
+def decode_step(f: dict[str, Tensor], ids: Tensor, ar: Tensor, scratch: int, with_c128: bool) -> StepBatch:
+    """The decode StepBatch over the input views ``f`` (one token per request: ``ar`` = arange)."""
+    b = ar.numel()
+    seg = None
+    if with_c128:  # one segment per request: its own token
+        seg = C128Segments(tok=ar[:, None], carry=f["carry"] != 0, store_slot=f["store_slot"],
+                           completes=f["completes"] != 0, last_tok=ar, first_pos=f["first_pos"], width=1)
+    return StepBatch(ids=ids, positions=f["positions"], tok_req=ar, row0=ar, slots=f["slots"],
+                     starts=f["positions"], ends=f["ends"], scratch_slot=scratch, starts_host=[0] * b,
+                     lens_host=[1] * b, positions_host=torch.zeros(b, dtype=torch.long), c128=seg)

@@ -26,7 +26,7 @@ from ..kernels.fp8_linear import Fp8Weight
 from . import ops
 from .cache import RequestState
 from .slot_state import C4_STATE_ROWS
-from .step import CPU_TOKEN_TILE, StepBatch, V4CacheView, build_step, pad_step
+from .step import CPU_TOKEN_TILE, StepBatch, V4CacheView, build_step, pad_step, step_tables
 
 if TYPE_CHECKING:
     from .parallel import ModelParallel
@@ -94,27 +94,32 @@ class V4Model:
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
-                return_streams: bool = False, return_hidden: bool = False):
+                return_streams: bool = False, return_hidden: bool = False, flat: bool = False):
         """Process ``ids[i]`` as the next tokens of ``reqs[i]``.
 
         -> logits per request ([n_i, V]) or, with return_hidden, the normed final hidden states the
         head is applied to ([n_i, D]); with return_streams also the final residual streams per
-        request ([n_i, hc, D], the MTP block's input). Advances each request's ``num_tokens``.
+        request ([n_i, hc, D], the MTP block's input); with ``flat`` one tensor of all requests'
+        rows in order instead of a list. Advances each request's ``num_tokens``.
         Raises ValueError (too long) or CacheCapacityError before touching any state.
         """
         self._check_inputs(cache, reqs, ids)
+        if self.graphs is not None:
+            replayed = self.graphs.run(cache, reqs, ids)  # None: not a decode step, or too large
+            if replayed is not None:
+                h, out = replayed
+                for req in reqs:
+                    req.num_tokens += 1
+                return self._per_request(h, out, [1] * len(reqs), return_streams, return_hidden, flat)
         step = build_step(reqs, ids, [r.num_tokens for r in reqs], cache.layout.scratch_slot(cache.slot_state),
                           self.device, with_c128=bool(self.cfg.c128_layers))
-        step.tables = cache.step_tables(reqs, step)
+        step.tables = step_tables(cache, reqs, step)
         step = self._pad(cache, step)
-        h = None
-        if self.graphs is not None and step.is_decode:
-            h = self.graphs.run(cache, step)  # None: no bucket this large, run eagerly
-        if h is None:
-            h = self.forward_step(cache, step)
+        h = self.forward_step(cache, step)
         for req, n in zip(reqs, step.real_lens):
             req.num_tokens += n
-        return self._outputs(h, step, return_streams, return_hidden)
+        n = sum(step.real_lens)  # the head runs over the padded rows too (CPU: no row in a loop tail)
+        return self._per_request(h[:n], self.head_input(h)[:n], step.real_lens, return_streams, return_hidden, flat)
 
     def _pad(self, cache: V4CacheView, step: StepBatch) -> StepBatch:
         """On the CPU, pad the step's tokens to ``CPU_TOKEN_TILE`` (see there); as is elsewhere."""
@@ -130,17 +135,21 @@ class V4Model:
             h = self._block(h, lw, i, cfg.layer_ratios[i], step, cache, hash_routed=i < cfg.num_hash_layers)
         return h
 
-    def _outputs(self, h: Tensor, step: StepBatch, return_streams: bool, return_hidden: bool,
-                 w: dict[str, Tensor] | None = None):
+    def head_input(self, h: Tensor, w: dict[str, Tensor] | None = None) -> Tensor:
+        """Final streams [T, hc, D] -> the normed hidden states the head is applied to [T, D]."""
         w = w or self.w
         y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], self.cfg)
-        out = ops.rms_norm(y, w["norm.weight"], self.cfg.rms_norm_eps)
-        if not return_hidden:
-            out = self.logits(out)
-        n = len(step.real_lens)
-        per_req = list(torch.split(out, step.lens_host))[:n]
+        return ops.rms_norm(y, w["norm.weight"], self.cfg.rms_norm_eps)
+
+    def _per_request(self, h: Tensor, hidden: Tensor, lens: list[int], return_streams: bool,
+                     return_hidden: bool, flat: bool):
+        """The caller's outputs from the real rows' streams and head input (see ``forward``)."""
+        out = hidden if return_hidden else self.logits(hidden)
+        if flat:
+            return (out, h) if return_streams else out
+        per_req = list(torch.split(out, lens))
         if return_streams:
-            return per_req, list(torch.split(h, step.lens_host))[:n]
+            return per_req, list(torch.split(h, lens))
         return per_req
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -173,7 +182,8 @@ class V4Model:
         h = self._block(h, w, layer, 0, step, cache, hash_routed=False)
         for req, n in zip(reqs, step.real_lens):
             req.mtp_num_tokens += n
-        return self._outputs(h, step, False, False, w)
+        n = sum(step.real_lens)
+        return self._per_request(h[:n], self.head_input(h, w)[:n], step.real_lens, False, False, False)
 
     # ---- blocks ----------------------------------------------------------------------------
     def _block(self, h: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,

@@ -75,8 +75,37 @@ class V4CacheView(Protocol):
     def check_length(self, req: RequestState, num_new: int) -> None:
         """Raise ValueError if the request would exceed the cache's maximum length."""
 
-    def step_tables(self, reqs: Sequence[RequestState], step: StepBatch) -> StepTables:
-        """Reserve the rows of the entries this step completes (all-or-nothing) -> the tables."""
+    def plan_tables(self, reqs: Sequence[RequestState], starts: list[int], lens: list[int],
+                    positions: Tensor) -> TablePlan:
+        """Host part of the step's tables: reserve the rows of the entries this step completes
+        (all-or-nothing) -> what the device part needs, as host tensors."""
+
+    def apply_tables(self, step: StepBatch, write: dict[int, Tensor], entries: dict[int, Tensor] | None,
+                     widths: dict[int, int]) -> StepTables:
+        """Device part (``plan``'s tensors staged): device ops only, no host sync, so a CUDA graph
+        can hold it. Padding requests (the scratch slot, position 0) complete nothing."""
+
+
+@dataclass
+class TablePlan:
+    """``V4CacheView.plan_tables``' result: per ratio the storage row of each token's completed
+    entry (``write`` [T]: the scratch row where it completes none), the entry tables when the
+    host builds them (``entries`` [B, width], -1 padded; None: the device builds them) and
+    the tables' widths (``entry_width``)."""
+
+    write: dict[int, Tensor]
+    entries: dict[int, Tensor] | None
+    widths: dict[int, int]
+
+
+def step_tables(cache: V4CacheView, reqs: Sequence[RequestState], step: StepBatch) -> StepTables:
+    """The step's tables: ``cache.plan_tables``, one staged copy, ``cache.apply_tables``."""
+    plan = cache.plan_tables(reqs, step.starts_host, step.lens_host, step.positions_host)
+    host = {f"w{r}": t for r, t in plan.write.items()}
+    host.update({f"t{r}": t for r, t in (plan.entries or {}).items()})
+    dev = stage(host, step.ids.device)
+    entries = None if plan.entries is None else {r: dev[f"t{r}"] for r in plan.entries}
+    return cache.apply_tables(step, {r: dev[f"w{r}"] for r in plan.write}, entries, plan.widths)
 
 
 def entry_width(needed: int, max_entries: int, device: torch.device) -> int:

@@ -92,7 +92,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise RuntimeError("sglang_dsv4: the V4 cache was not attached to SGLang's memory pools "
                                "(is the sglang_dsv4 plugin loaded?)")
         mode = fb.forward_mode
-        rows = fb.req_pool_indices.tolist()
+        # the scheduler's host copy of the rows when it has one (no device-to-host sync per step)
+        rows_cpu = getattr(fb, "req_pool_indices_cpu", None)
+        rows = (rows_cpu if rows_cpu is not None else fb.req_pool_indices).tolist()
         if mode.is_extend():
             prefix_lens, new_lens = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
         else:
@@ -116,6 +118,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             end = st.num_tokens + ids.numel()
             points.append(cache.fork_points(row, gen, st.num_tokens, end))
             cuts.append([0] + [p - st.num_tokens for p in points[-1] if p < end] + [ids.numel()])
+        if all(len(c) == 2 for c in cuts):  # no cut: one pass, the core's rows already in batch order
+            hidden = self.core.forward(cache, states, pieces, return_hidden=True, flat=True)
+            for st, pts in zip(states, points):
+                if st.num_tokens in pts:  # a fork point at the chunk's end
+                    cache.take_snapshot(st)
+            return hidden.to(self.lm_head.weight.dtype)
         outputs: list[list[torch.Tensor]] = [[] for _ in rows]
         for step in range(max(len(c) for c in cuts) - 1):
             todo = [i for i, c in enumerate(cuts) if step < len(c) - 1]

@@ -12,9 +12,9 @@ and keeps finished prefixes' token slots in its radix tree. We attach V4's state
 Only the radix tree decides what stays cached; we follow its token-slot lifetimes.
 
 The slot -> entry-row side table and each request row's list of entry rows live on the model's
-device and are appended by the step itself (``step_tables``), so a decode step reads no host
-table and rebuilds nothing from the context. Entry rows are handed out on the host from lengths
-alone; the host learns which rows a freed slot owned at free time (``free_token_slots``, in the
+device and are appended by the step itself (``apply_tables``, inside the decode step's CUDA
+graph), so a decode step reads no host table and rebuilds nothing from the context. Entry rows
+are handed out on the host from lengths alone; the host learns which rows a freed slot owned at free time (``free_token_slots``, in the
 scheduler, between steps).
 
 SGLang's hooks reach the cache of their process through ``serving_cache()``, which the plugin
@@ -35,7 +35,7 @@ from ..config import V4Config
 from ..core.cache import RequestState
 from ..core.pages import EntryRowPool
 from ..core.slot_state import SlotStateLayout
-from ..core.step import RATIOS, StepBatch, StepTables, completing_tokens, entry_width, stage
+from ..core.step import RATIOS, StepBatch, StepTables, TablePlan, completing_tokens, entry_width
 from ..kernels.backend import AttentionBackend
 from ..kernels.dispatch import select_backend
 from .pool_sizing import ENTRY_PAGE_ROWS, default_snapshot_budget_bytes
@@ -128,9 +128,11 @@ class SglangV4Cache:
         self._deferred: list[Tensor] | None = None
         self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
                       "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
-                      "integrity_checks": 0, "integrity_failures": 0}
+                      "integrity_checks": 0, "integrity_failures": 0, "tree_tokens_evicted": 0,
+                      "aborts_queued": 0, "aborts_mid_prefill": 0, "aborts_running": 0}
         self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
-        self._steps, self._checked_at_step = 0, -1  # forward steps so far; at the last idle check
+        # changes to the state so far (forward steps, frees, flushes); at the last integrity check
+        self._changes, self._checked_at = 0, -1
 
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
@@ -205,24 +207,30 @@ class SglangV4Cache:
         if end > self.max_seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds the maximum length {self.max_seq_len}")
 
-    def step_tables(self, reqs: list[RequestState], step: StepBatch) -> StepTables:
-        """Entry rows for the groups this step completes, owned by the completing token slots.
-
-        Rows come from the host pools by count (lengths are on the host); the slot -> row table
-        and the request rows' entry lists are appended on the device by scatters whose
-        non-completing tokens write the tables' scratch element."""
-        self._steps += 1
-        pos, b = step.positions, step.tok_req
-        tok_slot = self.req_to_token[step.slots[b].to(self.req_to_token.device),
-                                     pos.to(self.req_to_token.device)].to(self.device).long()
-        starts, ends = step.starts_host, [s + n for s, n in zip(step.starts_host, step.lens_host)]
-        host_write = {}
+    def plan_tables(self, reqs: list[RequestState], starts: list[int], lens: list[int],
+                    positions: Tensor) -> TablePlan:
+        """Entry rows for the groups this step completes, from the host pools by count (lengths
+        are on the host); the device part (``apply_tables``) files them."""
+        self._changes += 1
+        ends = [s + n for s, n in zip(starts, lens)]
+        write, widths = {}, {}
         for r, pool in self.pools.items():
             rows = pool.alloc(sum(e // r - s // r for s, e in zip(starts, ends)))
-            w = torch.full((step.positions_host.numel(),), pool.scratch_row, dtype=torch.long)
-            w[completing_tokens(step.positions_host, r)] = rows
-            host_write[r] = w
-        write = stage(host_write, self.device)  # both ratios in one copy
+            w = torch.full((positions.numel(),), pool.scratch_row, dtype=torch.long)
+            w[completing_tokens(positions, r)] = rows
+            write[r] = w
+            widths[r] = entry_width(max(e // r for e in ends), self.req_entries[r].shape[1], self.device)
+        return TablePlan(write, None, widths)
+
+    def apply_tables(self, step: StepBatch, write: dict[int, Tensor], entries: dict[int, Tensor] | None,
+                     widths: dict[int, int]) -> StepTables:
+        """The completing token slots take their rows: the slot -> row table and the request rows'
+        entry lists are appended by scatters whose non-completing tokens (and padding requests,
+        at the scratch slot) write the tables' scratch element; then each request's entry rows."""
+        pos, b = step.positions, step.tok_req
+        req_rows = step.slots[b].clamp(max=self.num_req_rows - 1)  # padding: scratch slot, completes nothing
+        tok_slot = self.req_to_token[req_rows.to(self.req_to_token.device),
+                                     pos.to(self.req_to_token.device)].to(self.device).long()
         table = {}
         for r, w in write.items():
             w32 = w.to(torch.int32)
@@ -232,12 +240,11 @@ class SglangV4Cache:
                 old = self.entry_of_slot[r][slot_idx]
                 self._orphans.append((r, torch.where(done, old, -1)))
             self.entry_of_slot[r][slot_idx] = w32
-            entries = self.req_entries[r]
-            flat = torch.where(done, step.slots[b] * entries.shape[1] + (pos + 1) // r - 1,
-                               self.num_req_rows * entries.shape[1])
-            entries.view(-1)[flat] = w32
-            width = entry_width(max(e // r for e in ends), entries.shape[1], self.device)
-            table[r] = entries[step.slots, :width].long()
+            entries_r = self.req_entries[r]
+            flat = torch.where(done, step.slots[b] * entries_r.shape[1] + (pos + 1) // r - 1,
+                               self.num_req_rows * entries_r.shape[1])
+            entries_r.view(-1)[flat] = w32
+            table[r] = entries_r[step.slots, :widths[r]].long()
         return StepTables(write, table)
 
     # ---- snapshots -----------------------------------------------------------------------
@@ -299,6 +306,7 @@ class SglangV4Cache:
         if self._deferred is not None:
             self._deferred.append(slots.clone())
             return
+        self._changes += 1
         dev_slots = slots.to(self.device).long()
         freed = [(r, self.entry_of_slot[r][dev_slots]) for r in RATIOS]
         for r in RATIOS:
@@ -330,10 +338,11 @@ class SglangV4Cache:
             t.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)
         self.snapshots.clear()
-        self._steps += 1  # the state changed: the next idle check runs (and refreshes the gauges)
+        self._changes += 1  # the next idle check runs (and refreshes the gauges)
 
     def release_rows(self, rows: list[int]) -> None:
         """SGLang freed these request rows: their rings are no longer in use."""
+        self._changes += 1
         for row in rows:
             self.rows.pop(row, None)
             self.pending_forks.pop(row, None)
@@ -384,13 +393,16 @@ class SglangV4Cache:
                 s.nbytes for s in self.snapshots.values()):
             raise AssertionError(f"byte gauges {used} disagree with their parts")
 
-    def run_integrity_check(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None) -> bool:
-        """``check_integrity`` as SGLang's idle self-check runs it: counted (``integrity_checks``,
-        ``integrity_failures``), a failure logged and raised only under SGLang's strict idle
-        memory check (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``), as its own leak checks do."""
-        if self._steps == self._checked_at_step:
-            return True  # nothing ran since the last check (SGLang checks every idle iteration)
-        self._checked_at_step = self._steps
+    def run_integrity_check(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None,
+                            strict: bool | None = None) -> bool:
+        """``check_integrity`` as SGLang's self-checks run it: counted (``integrity_checks``,
+        ``integrity_failures``), a failure logged and raised if ``strict``; ``strict=None`` (the
+        idle check): raised only under SGLang's strict idle memory check
+        (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``), as its own leak checks do. Skipped when
+        nothing changed since the last check (SGLang checks every idle iteration)."""
+        if self._changes == self._checked_at:
+            return True
+        self._checked_at = self._changes
         self.stats["integrity_checks"] += 1
         ok = True
         try:
@@ -399,9 +411,11 @@ class SglangV4Cache:
             ok = False
             self.stats["integrity_failures"] += 1
             logger.error("sglang_dsv4 cache integrity check failed: %s", e)
-            from sglang.srt.environ import envs  # SGLang's own switch for its idle leak checks
+            if strict is None:
+                from sglang.srt.environ import envs  # SGLang's own switch for its idle leak checks
 
-            if envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get():
+                strict = bool(envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get())
+            if strict:
                 raise
         if self.metrics is not None:
             self.metrics.update()

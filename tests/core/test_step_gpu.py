@@ -95,9 +95,12 @@ def test_grouped_gemm_moe_equals_the_sorted_loop(tiny_gpu):
     assert err.max() < 1e-2, f"max rel err {err.max():.3g}"
 
 
-def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu, graphs):
     cfg, w = tiny_gpu
     model = V4Model(cfg, w)
+    if graphs:
+        model.enable_cuda_graphs(max_batch=8)
     srv = Server(cfg, 5, max_len=2048)
     g = torch.Generator().manual_seed(1)
     states = []
@@ -133,8 +136,13 @@ def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu):
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     before, capacity = torch.cuda.memory_allocated(), {r: p.capacity for r, p in srv.cache.pools.items()}
+    captures = len(model.graphs.captured) if graphs else 0
     for _ in range(1000):
         ids = step(ids)
+        if graphs and len(model.graphs.captured) != captures:  # a wider entry table: a new graph
+            captures = len(model.graphs.captured)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()  # flat between captures
     torch.cuda.synchronize()
     growth = torch.cuda.memory_allocated() - before
     assert {r: p.capacity for r, p in srv.cache.pools.items()} == capacity  # room for these entries

@@ -1,0 +1,69 @@
+"""The decode graphs' host inputs (``core.graphs``): the step a replay reads equals the step the
+eager path builds (``step.build_step`` + ``step.step_tables``), and padding requests only ever
+touch scratch state. Runs on the CPU: graph capture itself is covered by tests/core/test_step_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv4.core.cache import RequestState, V4Cache
+from sglang_dsv4.core.graphs import decode_inputs, decode_step, input_views
+from sglang_dsv4.core.step import C128_FIELDS, build_step, step_tables
+from sglang_dsv4.srt.state import SglangV4Cache
+
+STARTS = [0, 5, 127, 128, 255, 3, 511]  # group boundaries of both ratios on either side
+
+
+def _serving(cfg):
+    cache = SglangV4Cache(cfg, 8, 8192, max_seq_len=1024, device="cpu", backend="torch")
+    cache.req_to_token = torch.arange(8 * 1024, dtype=torch.int32).view(8, 1024)
+    return cache
+
+
+def _reference(cfg):
+    return V4Cache(cfg, max_requests=8, max_total_tokens=8192, max_seq_len=1024)
+
+
+def _requests(cache, starts):
+    if isinstance(cache, V4Cache):
+        reqs = [cache.new_request() for _ in starts]
+        for req, s in zip(reqs, starts):  # entries of the positions before: reserved like a prefill's
+            cache.reserve_entries([req], [s])
+            req.num_tokens = s
+        return reqs
+    return [RequestState(slot=i, num_tokens=s) for i, s in enumerate(starts)]
+
+
+@pytest.mark.parametrize("make", [_serving, _reference], ids=["serving", "reference"])
+def test_graph_inputs_equal_the_eager_step_and_pad_with_scratch(tiny, make):
+    cfg, _ = tiny
+    B, b = len(STARTS), 8
+    ids = [torch.tensor([7 + i]) for i in range(B)]
+    eager_cache, graph_cache = make(cfg), make(cfg)  # the same state: the same rows are handed out
+    reqs_e, reqs_g = _requests(eager_cache, STARTS), _requests(graph_cache, STARTS)
+    scratch = eager_cache.layout.scratch_slot(eager_cache.slot_state)
+
+    step = build_step(reqs_e, ids, STARTS, scratch, torch.device("cpu"), with_c128=True)
+    step.tables = step_tables(eager_cache, reqs_e, step)
+
+    plan = graph_cache.plan_tables(reqs_g, STARTS, [1] * B, torch.tensor(STARTS))
+    inputs = decode_inputs(graph_cache, reqs_g, STARTS, plan, b)
+    f, write, entries = input_views(inputs, b, plan.widths, plan.entries is not None)
+    g = decode_step(f, torch.cat(ids + [torch.zeros(b - B, dtype=torch.long)]), torch.arange(b), scratch, True)
+    tables = graph_cache.apply_tables(g, write, entries, plan.widths)
+
+    real = slice(0, B)
+    for name in ("ids", "positions", "tok_req", "row0", "slots", "starts", "ends"):
+        assert torch.equal(getattr(g, name)[real], getattr(step, name)), name
+    for name in C128_FIELDS:
+        assert torch.equal(getattr(g.c128, name)[real], getattr(step.c128, name)[real]), name
+    for r in plan.widths:
+        assert torch.equal(tables.write_rows[r][real], step.tables.write_rows[r]), r
+        assert torch.equal(tables.entry_rows[r][real], step.tables.entry_rows[r]), r
+        # padding requests: nothing completes, writes go to the scratch row, no entries
+        assert (tables.write_rows[r][B:] == graph_cache.pools[r].scratch_row).all()
+        assert (tables.entry_rows[r][B:, 1:] == -1).all()
+    pad = slice(B, b)
+    assert (g.slots[pad] == scratch).all() and (g.c128.store_slot[pad] == scratch).all()
+    assert (g.positions[pad] == 0).all() and not g.c128.completes[pad].any() and not g.c128.carry[pad].any()
