@@ -11,7 +11,8 @@ as ``sglang_dsv4_old``, e.g. ``git archive 521fd56 sglang_dsv4``) over its refer
 share one set of random bf16 weights and run in this one process, side by side.
 
 Paths: ``before`` (the old package), ``batched`` (this tree, eager), ``graphs`` (this tree, decode
-replayed from CUDA graphs, ``V4Model.enable_cuda_graphs``). Columns: step ms (median over ``--steps`` after warm-up), tok/s (B / step), kernel launches and
+replayed from CUDA graphs, ``V4Model.enable_cuda_graphs``). Columns: step ms (median over ``--steps`` after warm-up, the GPU drained around each step), tok/s
+(B / step), pipelined ms (steps issued back to back: host work overlaps the GPU), kernel launches and
 host syncs per step and GPU busy % (torch profiler over 3 steps: CUDA kernel time / wall time),
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
@@ -181,7 +182,7 @@ class NewPath:
     def _slots(self, n: int) -> torch.Tensor:
         out = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32)
         self.next_slot += n
-        return out.to(self.device)
+        return out.pin_memory().to(self.device, non_blocking=True)  # no host sync
 
     def prefill(self, chunk: int) -> None:
         c = self.cache
@@ -202,8 +203,8 @@ class NewPath:
         pos = self.states[0].num_tokens
         rows = torch.arange(1, self.batch + 1, device=self.device)
         c.req_to_token[rows, pos] = self._slots(self.batch)
-        out = self.model.forward(c, self.states, list(self.ids))
-        self.ids = torch.stack([o[-1:].argmax(-1) for o in out])
+        logits = self.model.forward(c, self.states, list(self.ids), flat=True)
+        self.ids = logits.argmax(-1, keepdim=True)  # batched greedy sampling, as SGLang samples
 
 
 class OldPath:
@@ -263,6 +264,8 @@ def profile_step(path, n: int = 3) -> tuple[float, float, float]:
 
 
 def time_steps(path, steps: int) -> float:
+    """Median step time, the GPU drained around each step (host and GPU work in series, as a
+    scheduler that reads each step's tokens back runs them)."""
     for _ in range(3):
         path.step()
     times = []
@@ -273,6 +276,17 @@ def time_steps(path, steps: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def time_pipelined(path, steps: int) -> float:
+    """Mean step time of ``steps`` steps issued back to back (the next step's host work overlaps
+    the GPU's work on this one, as with an overlap scheduler; the tokens stay on the device)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        path.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(f"sglang_dsv4_old.{sub}")
     bw = copy_bandwidth(device)
     rows = []
-    header = ("| config | batch | context | path | weights | step ms | tok/s | launches/step | syncs/step | GPU busy % "
-              "| roofline ms | step / roofline | vs before |")
+    header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
+              "| GPU busy % | roofline ms | step / roofline | vs before |")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
-    print(header + "\n" + "|---" * 13 + "|", flush=True)
+    print(header + "\n" + "|---" * 14 + "|", flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]
         cfg = make_config(cname, max(contexts) + args.steps + 64)
@@ -318,20 +332,21 @@ def main(argv: list[str] | None = None) -> int:
                 before = None
                 paths = []
                 if old is not None and batch <= args.old_max_batch and mode == "bf16":
-                    paths.append(lambda: OldPath(old, cfg, w, batch, ctx, args.steps, device))
-                paths.append(lambda: NewPath(cfg, w, batch, ctx, args.steps, device))
+                    paths.append(lambda: OldPath(old, cfg, w, batch, ctx, 2 * args.steps, device))
+                paths.append(lambda: NewPath(cfg, w, batch, ctx, 2 * args.steps, device))
                 if not args.no_graphs:
-                    paths.append(lambda: NewPath(cfg, w, batch, ctx, args.steps, device, graphs=True))
+                    paths.append(lambda: NewPath(cfg, w, batch, ctx, 2 * args.steps, device, graphs=True))
                 for make in paths:
                     path = make()
                     path.prefill(2048)
                     ms = time_steps(path, args.steps) * 1e3
+                    piped = time_pipelined(path, args.steps) * 1e3
                     launches, syncs, busy = profile_step(path)
                     ratio = "" if before is None else f"{before / ms:.1f}x"
                     if path.name == "before":
                         before = ms
                     line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
-                            f"{launches:.0f} | {syncs:.1f} | {busy:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {ratio} |")
+                            f"{piped:.2f} | {launches:.0f} | {syncs:.1f} | {busy:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {ratio} |")
                     rows.append(line)
                     print(line, flush=True)
                     del path
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         del w, ws
         torch.cuda.empty_cache()
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 13 + "|\n" + "\n".join(rows) + "\n")
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 14 + "|\n" + "\n".join(rows) + "\n")
     return 0
 
 
