@@ -8,8 +8,10 @@
   converted at load to fp8 block-128, exactly (``quant.fp4_to_fp8_blockwise``), and run through
   the grouped fp8 GEMMs (``kernels.fp8_moe``). Activations are quantised before each fp8 GEMM as
   V4's QAT does (e4m3, groups of 128, power-of-two scales).
-- ``auto``: ``fp8`` where its kernels run (a CUDA GPU of SM90 or newer, Triton importable) and the
-  checkpoint has quantised experts, else ``bf16``.
+- ``auto``: ``bf16`` for now. The fp8 kernels are checked on the CPU (Triton's interpreter) but
+  not yet on a GPU, and not yet timed against the bf16 GEMMs: until both are done (the GPU tests
+  in ``tests/kernels/test_fp8_gpu.py``, ``bench_decode --weights bf16,fp8``), fp8 is opt-in with
+  ``--dsv4-weights fp8``. ``AUTO_FP8`` flips the default once they are.
 
 Not offered: ``w4a16`` (fp4 experts kept as e2m1 and multiplied by bf16 activations). Its
 kernels are Marlin (in ``sgl_kernel``) and FlashInfer's, and neither is in the GPU image this
@@ -32,6 +34,7 @@ UNAVAILABLE_MODES = {
              "absent); fp8 keeps the experts in 1 byte per weight (the fp4 codes converted exactly)",
 }
 FP8_MIN_SM = 9
+AUTO_FP8 = False  # see the module docstring: auto picks fp8 only once it is verified on hardware
 
 
 class WeightModeError(ValueError):
@@ -82,6 +85,9 @@ def select_weight_mode(requested: str | None, device: torch.device | str,
         return "bf16", f"{WEIGHTS_FLAG} auto -> bf16: fp8 unavailable ({missing})"
     if not experts_ok:
         return "bf16", f"{WEIGHTS_FLAG} auto -> bf16: the checkpoint's experts are {cfg.expert_dtype}"
+    if not AUTO_FP8:
+        return "bf16", (f"{WEIGHTS_FLAG} auto -> bf16: fp8 could run here but is opt-in ({WEIGHTS_FLAG} fp8) "
+                        "until its kernels are verified and timed on a GPU")
     return "fp8", f"{WEIGHTS_FLAG} auto -> fp8: fp8 block-128 matrices, fp4 experts converted to fp8 (Triton, SM90+)"
 
 

@@ -42,6 +42,7 @@ from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.kernels import fp8_moe
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_reference, fp8_linear, fp8_linear_reference
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
+from sglang_dsv4.kernels import weight_mode
 from sglang_dsv4.kernels.weight_mode import select_weight_mode
 from sglang_dsv4.quant import quantize_fp8_blockwise
 from sglang_dsv4.srt.state import SglangV4Cache
@@ -81,9 +82,10 @@ def _fp8(n: int, k: int, g: torch.Generator) -> Fp8Weight:
     return Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5))
 
 
-def test_auto_picks_fp8_here():
-    mode, why = select_weight_mode("auto", DEV, V4Config())
-    report("weight_mode_auto", mode=mode, why=why)
+def test_fp8_can_run_here():
+    assert weight_mode.fp8_missing(DEV) is None
+    mode, why = select_weight_mode("fp8", DEV, V4Config())
+    report("weight_mode_fp8", mode=mode, why=why)
     assert mode == "fp8", why
 
 

@@ -173,7 +173,14 @@ def test_mode_selection_on_this_cpu():
         select_weight_mode("w4a16", "cpu", cfg)
     with pytest.raises(WeightModeError, match="unknown weight mode 'int4'"):
         select_weight_mode("int4", "cpu", cfg)
-    assert _select_on_gpu("auto", cfg)[0] == "fp8" and _select_on_gpu("fp8", cfg)[0] == "fp8"
+    mode, why = _select_on_gpu("auto", cfg)
+    assert mode == "bf16" and "opt-in" in why  # until verified on a GPU (weight_mode.AUTO_FP8)
+    assert _select_on_gpu("fp8", cfg)[0] == "fp8"
+    weight_mode.AUTO_FP8 = True
+    try:
+        assert _select_on_gpu("auto", cfg)[0] == "fp8"
+    finally:
+        weight_mode.AUTO_FP8 = False
 
 
 def test_weights_flag():
