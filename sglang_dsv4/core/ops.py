@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
+from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from ..quant import fp4_qat, fp8_qat, hadamard
@@ -456,20 +457,8 @@ def _grouped_experts_mm(x: Tensor, chosen: Tensor, gates: Tensor, w13: Tensor, w
     E, P, A = w13.shape[0], chosen.numel(), GROUP_ALIGN
     M = P + min(P, E) * (A - 1)        # room for every group's padding
     dev = x.device
-    local = chosen.flatten() - experts.start
-    e = torch.where((local >= 0) & (local < E), local, E)            # E: not held here
-    # (torch.bincount syncs on CUDA to size its output: a scatter-add of known size does not)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, e, torch.ones_like(e))[:E]
-    padded = (counts + A - 1) // A * A
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(e, stable=True)
-    es = e[order]
-    esc = es.clamp(max=E - 1)
-    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[esc]
-    dest = torch.where(es < E, ends[esc] - padded[esc] + rank, M)     # row of each sorted pair
-    pair_of_row = torch.full((M + 1,), P, dtype=torch.long, device=dev)
-    pair_of_row[dest] = order
-    pair_of_row = pair_of_row[:M]
+    rows = expert_rows(chosen, experts.start, E, A, M)
+    ends, pair_of_row = rows.ends, rows.pair_of_row
     xs = torch.cat((x, x.new_zeros(1, x.shape[1])))[torch.where(pair_of_row < P, pair_of_row // k, T)]
     offs = ends.to(torch.int32)
     h = torch._grouped_mm(xs.to(w13.dtype), w13.transpose(-2, -1), offs=offs).to(x.dtype)

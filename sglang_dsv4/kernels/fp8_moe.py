@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import FP8_WEIGHT_BLOCK
+from .expert_rows import expert_rows
 from .fp8_linear import Fp8Weight, fp8_gemm, quantize_act
 
 Tensor = torch.Tensor
@@ -94,22 +95,10 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     A = block_rows(P)
     M = math.ceil((P + min(P, E) * (A - 1)) / A) * A  # room for every expert's padding
     dev = x.device
-    local = chosen.flatten().long() - first_expert
-    e = torch.where((local >= 0) & (local < E), local, E)             # E: not held here
-    # (torch.bincount syncs on CUDA to size its output: a scatter-add of known size does not)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, e, torch.ones_like(e))[:E]
-    padded = (counts + A - 1) // A * A
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(e, stable=True)
-    es = e[order]
-    esc = es.clamp(max=E - 1)
-    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[esc]
-    dest = torch.where(es < E, ends[esc] - padded[esc] + rank, M)     # row of each sorted pair
-    pair_of_row = torch.full((M + 1,), P, dtype=torch.long, device=dev)
-    pair_of_row[dest] = order
-    pair_of_row = pair_of_row[:M]
+    rows = expert_rows(chosen, first_expert, E, A, M)
+    ends, pair_of_row = rows.ends, rows.pair_of_row
     dest_of_pair = torch.empty(P, dtype=torch.long, device=dev)
-    dest_of_pair[order] = dest
+    dest_of_pair[rows.order] = rows.dest
     block_start = torch.arange(0, M, A, device=dev)
     block_expert = torch.searchsorted(ends, block_start, right=True)     # E: past the last group
     block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
