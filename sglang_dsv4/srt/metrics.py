@@ -15,7 +15,7 @@ _COUNTERS = {
     "snapshots_restored": "Requests resumed from a snapshot.",
     "snapshots_evicted": "Snapshots evicted by the LRU under the snapshot budget.",
     "snapshots_dropped": "Snapshots freed with their token slot (radix-tree eviction or release).",
-    "integrity_checks": "Integrity checks of the V4 cache (SGLang's idle self-check).",
+    "integrity_checks": "Integrity checks of the V4 cache (SGLang's idle self-check; per step too when on).",
     "integrity_failures": "Integrity checks that found a leak or an inconsistency (logged).",
 }
 _GAUGES = {

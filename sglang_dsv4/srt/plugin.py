@@ -52,6 +52,13 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_req_pool",
         _after_idle_pool_check, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker.self_check_during_busy",
+        _after_busy_pool_check, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+        _with_cache_state, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.abort_request", _count_abort, HookType.AROUND)
     from . import thinking_hooks
 
     thinking_hooks.register(HookRegistry, HookType)  # the think budget (patches/thinking-budget.md)
@@ -204,11 +211,73 @@ def _after_idle_pool_check(result, checker, *args, **kwargs):
             # (upstream's all_values_flatten fails on an empty tree)
             live = tree.all_values_flatten() if tree.evictable_size() + tree.protected_size() > 0 \
                 else torch.empty(0, dtype=torch.long)
-        pool = checker.req_to_token_pool
-        free = set(int(r) for r in pool.free_slots)
-        rows = [r for r in range(pool.req_to_token.shape[0]) if r not in free]
-        cache.run_integrity_check(live_slots=live, live_rows=rows)
+        cache.run_integrity_check(live_slots=live, live_rows=_rows_in_use(checker.req_to_token_pool))
     return result
+
+
+def _rows_in_use(pool) -> list[int]:
+    """SGLang's request rows in use: the complement of ``ReqToTokenPool.free_slots``."""
+    free = set(int(r) for r in pool.free_slots)
+    return [r for r in range(pool.req_to_token.shape[0]) if r not in free]
+
+
+def _after_busy_pool_check(result, checker, *args, **kwargs):
+    """SGLang's per-step self-check (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``, after every
+    forward step) ran its pool checks: check our cache too, with requests mid-flight, and make a
+    failure fatal as SGLang's own busy check does (the scheduler stops with the message).
+
+    Live token slots are those SGLang's allocator has not got back (tree, running and chunked
+    requests alike): an entry or snapshot on a slot the allocator holds as free was missed by the
+    free hooks."""
+    from .state import serving_cache
+
+    cache = serving_cache()
+    if cache is None or checker.get_last_batch() is None:
+        return result  # no step ran this iteration (SGLang's check returned early too)
+    import torch
+
+    alloc = checker.token_to_kv_pool_allocator
+    free_pages = alloc.get_all_free_pages()
+    live = None
+    if free_pages is not None:
+        page = int(alloc.page_size)
+        held = torch.ones(int(alloc.size) + page, dtype=torch.bool)
+        held[:page] = False  # page 0: SGLang's padding page, never handed out
+        held[(free_pages.long().cpu()[:, None] * page + torch.arange(page)).flatten()] = False
+        live = torch.nonzero(held).flatten()
+    cache.run_integrity_check(live_slots=live, live_rows=_rows_in_use(checker.req_to_token_pool), strict=True)
+    return result
+
+
+def _with_cache_state(result, controller, *args, **kwargs):
+    """``/server_info``'s ``internal_states`` (``Engine.get_server_info``) carry our cache's event
+    counts and current usage as ``dsv4_cache``, with SGLang's forward step count: how tests and
+    operators read them without ``--enable-metrics``."""
+    from .state import serving_cache
+
+    cache = serving_cache()
+    state = getattr(result, "internal_state", None)
+    if cache is not None and isinstance(state, dict):
+        state["dsv4_cache"] = {**cache.stats, **cache.usage(),
+                               "forward_steps": int(getattr(controller.scheduler, "forward_ct", 0))}
+    return result
+
+
+def _count_abort(original, scheduler, recv_req, *args, **kwargs):
+    """Count a client abort by where SGLang finds the request (``aborts_queued``, ``_mid_prefill``:
+    the chunked-prefill request, ``_running``: decoding), then abort it unchanged."""
+    from .state import serving_cache
+
+    cache, rid = serving_cache(), getattr(recv_req, "rid", None)
+    if cache is not None and rid and not getattr(recv_req, "abort_all", False):
+        chunked = scheduler.chunked_req
+        if chunked is not None and chunked.rid.startswith(rid):
+            cache.stats["aborts_mid_prefill"] += 1
+        elif any(r.rid.startswith(rid) for r in scheduler.waiting_queue):
+            cache.stats["aborts_queued"] += 1
+        elif any(r.rid.startswith(rid) and not r.finished() for r in scheduler.collect_inflight_reqs()):
+            cache.stats["aborts_running"] += 1
+    return original(scheduler, recv_req, *args, **kwargs)
 
 
 def _after_request_rows_freed(result, pool, indices, *args, **kwargs):

@@ -69,6 +69,15 @@ class SnapshotRadixCache(RadixCache):
         setattr(req, FORK_ATTR, sorted(p for p in forks if p > result.device_prefix_len))
         return result
 
+    def evict(self, params):
+        """Upstream's LRU eviction of token slots (their entries and snapshots go with the slots'
+        frees), counted as ``tree_tokens_evicted``."""
+        result = super().evict(params)
+        cache = serving_cache()
+        if cache is not None:
+            cache.stats["tree_tokens_evicted"] += int(getattr(result, "num_tokens_evicted", 0) or 0)
+        return result
+
     def reset(self):
         """Flushing the tree (``/flush_cache``) releases every token slot at once, without a
         per-slot free: release what the slots owned too."""

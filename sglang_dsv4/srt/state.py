@@ -370,10 +370,12 @@ class SglangV4Cache:
             if not torch.equal(rows_all.sort().values, in_use):
                 raise AssertionError(f"ratio {r}: {in_use.numel()} entry rows in use, {rows_all.numel()} owned "
                                      "by token slots (a leak or a row handed out twice)")
-            for row in self.rows:
-                listed = self.req_entries[r][row].long().cpu()
-                listed = listed[listed >= 0]
-                if listed.numel() and not bool(pool.in_use(listed).all()):
+            if self.rows:  # one gather for all bound rows (this runs after every step in the fuzz)
+                bound = sorted(self.rows)
+                listed = self.req_entries[r][torch.tensor(bound, device=self.device)].long().cpu()
+                freed = (listed >= 0) & ~pool.in_use(listed.clamp_min(0))
+                if bool(freed.any()):
+                    row = bound[int(torch.nonzero(freed)[0, 0])]
                     raise AssertionError(f"request row {row}: lists a freed ratio-{r} entry row")
             if live_slots is not None:
                 dead = owners[~torch.isin(owners, live_slots.long().cpu())]
