@@ -299,11 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--old-max-batch", type=int, default=64, help="skip the old path above this batch")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
-    ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph path")
+    ap.add_argument("--paths", default="batched,graphs",
+                    help="new code paths to time: batched (eager) and/or graphs (CUDA-graph replay); "
+                         "the before path runs whenever --old-root is given")
     ap.add_argument("--weights", default="bf16",
                     help="weight modes, side by side: bf16 (dequantised) and/or fp8 (fp8 block-128, experts converted)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    new_paths = set(args.paths.split(","))
+    if not new_paths <= {"batched", "graphs"}:
+        ap.error(f"--paths: unknown path(s) {sorted(new_paths - {'batched', 'graphs'})} (known: batched, graphs)")
     device = "cuda"
     t_start = time.perf_counter()
     old = None
@@ -333,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
                 paths = []
                 if old is not None and batch <= args.old_max_batch and mode == "bf16":
                     paths.append(lambda: OldPath(old, cfg, w, batch, ctx, 2 * args.steps, device))
-                paths.append(lambda: NewPath(cfg, w, batch, ctx, 2 * args.steps, device))
-                if not args.no_graphs:
+                if "batched" in new_paths:
+                    paths.append(lambda: NewPath(cfg, w, batch, ctx, 2 * args.steps, device))
+                if "graphs" in new_paths:
                     paths.append(lambda: NewPath(cfg, w, batch, ctx, 2 * args.steps, device, graphs=True))
                 for make in paths:
                     path = make()

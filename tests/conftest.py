@@ -49,15 +49,53 @@ def micro64(micro_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """(config, dequantised float32 weights) of the tiny checkpoint (FlashMLA's attention shape,
-    seed 0), written once per test session (the GPU tests use it)."""
-    from sglang_dsv4.checkpoint import load_checkpoint
+def tiny_dir(tmp_path_factory):
+    """The tiny checkpoint's directory (FlashMLA's attention shape, seed 0), weights and config
+    only: written once per test session without the tokenizer files, so the GPU image (which
+    has no ``tokenizers``) can build it too."""
     from sglang_dsv4.checkpoint.writer import write_checkpoint
     from sglang_dsv4.tiny import preset_config, random_weights
 
     cfg = preset_config("tiny")
     path = tmp_path_factory.mktemp("tiny") / "ckpt"
     write_checkpoint(cfg, random_weights(cfg, 0), path)
-    ckpt = load_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """(config, dequantised float32 weights) of the tiny checkpoint (the GPU tests use it)."""
+    from sglang_dsv4.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_dir)
     return ckpt.config, ckpt.tensors
+
+
+class ServingRows:
+    """The serving cache (``SglangV4Cache``) driven as SGLang drives it: request rows of a
+    ``req_to_token`` table, fresh token slots handed out per position."""
+
+    def __init__(self, cfg, rows: int, token_slots: int = 16384, max_len: int = 1024,
+                 device: str = "cuda", backend: str = "flashmla"):
+        import torch
+
+        from sglang_dsv4.srt.state import SglangV4Cache
+
+        self.device = device
+        self.cache = SglangV4Cache(cfg, rows, token_slots, max_seq_len=max_len, device=device, backend=backend)
+        self.cache.req_to_token = torch.zeros(rows, max_len, dtype=torch.int32, device=device)
+        self.next = 1
+
+    def slots(self, row: int, start: int, n: int) -> None:
+        """Give positions start..start+n-1 of ``row`` fresh token slots."""
+        import torch
+
+        self.cache.req_to_token[row, start:start + n] = torch.arange(self.next, self.next + n, dtype=torch.int32,
+                                                                     device=self.device)
+        self.next += n
+
+
+@pytest.fixture(scope="session")
+def serving_rows():
+    """The ``ServingRows`` class (the GPU tests build one per scenario)."""
+    return ServingRows

@@ -9,7 +9,6 @@ import torch
 
 from sglang_dsv4.core import ops
 from sglang_dsv4.core.model import V4Model, weight_dtypes
-from sglang_dsv4.srt.state import SglangV4Cache
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -20,20 +19,6 @@ def tiny_gpu(tiny):
     cfg, w = tiny
     dtype_of = weight_dtypes(torch.bfloat16)
     return cfg, {k: (v.to(dtype_of(k)) if v.is_floating_point() else v).to(DEV) for k, v in w.items()}
-
-
-class Server:
-    """The serving cache driven as SGLang drives it: rows, fresh token slots per position."""
-
-    def __init__(self, cfg, rows: int, max_len: int = 1024):
-        self.cache = SglangV4Cache(cfg, rows, 16384, max_seq_len=max_len, device=DEV, backend="flashmla")
-        self.cache.req_to_token = torch.zeros(rows, max_len, dtype=torch.int32, device=DEV)
-        self.next = 1
-
-    def slots(self, row: int, start: int, n: int) -> None:
-        self.cache.req_to_token[row, start:start + n] = torch.arange(self.next, self.next + n, dtype=torch.int32,
-                                                                     device=DEV)
-        self.next += n
 
 
 def _prefill_all(model, srv, prompts):
@@ -53,7 +38,7 @@ def _decode(model, srv, rows, states, ids):
     return model.forward(srv.cache, states, [t.view(1) for t in ids])
 
 
-def test_batched_decode_equals_each_request_alone(tiny_gpu):
+def test_batched_decode_equals_each_request_alone(tiny_gpu, serving_rows):
     """Eight requests at different lengths: one batched step per position vs each request
     stepped alone. Same kernels; GEMM row counts differ, so equal to bf16 rounding."""
     cfg, w = tiny_gpu
@@ -63,7 +48,7 @@ def test_batched_decode_equals_each_request_alone(tiny_gpu):
     tails = torch.randint(0, cfg.vocab_size, (len(prompts), 12), generator=g).to(DEV)
 
     def run(batched: bool):
-        srv = Server(cfg, len(prompts) + 1)
+        srv = serving_rows(cfg, len(prompts) + 1)
         states = _prefill_all(model, srv, prompts)
         out = []
         for t in range(tails.shape[1]):
@@ -96,12 +81,12 @@ def test_grouped_gemm_moe_equals_the_sorted_loop(tiny_gpu):
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu, graphs):
+def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu, graphs, serving_rows):
     cfg, w = tiny_gpu
     model = V4Model(cfg, w)
     if graphs:
         model.enable_cuda_graphs(max_batch=8)
-    srv = Server(cfg, 5, max_len=2048)
+    srv = serving_rows(cfg, 5, max_len=2048)
     g = torch.Generator().manual_seed(1)
     states = []
     for i in range(4):
@@ -150,7 +135,7 @@ def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu, graphs):
     srv.cache.check_integrity()
 
 
-def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu):
+def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu, serving_rows):
     """Eight requests (a bucket: no padding) decoded eagerly and from CUDA graphs, over two
     caches filled identically: the logits are equal, step after step, across a C4 and a C128
     group boundary."""
@@ -163,7 +148,7 @@ def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu):
         model = V4Model(cfg, w)
         if graphs:
             model.enable_cuda_graphs(max_batch=16)
-        srv = Server(cfg, 9)
+        srv = serving_rows(cfg, 9)
         states = _prefill_all(model, srv, prompts)
         outs.append(torch.stack([torch.cat(_decode(model, srv, range(8), states, tails[:, t]))
                                  for t in range(tails.shape[1])]))

@@ -45,8 +45,6 @@ from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from sglang_dsv4.kernels import weight_mode
 from sglang_dsv4.kernels.weight_mode import select_weight_mode
 from sglang_dsv4.quant import quantize_fp8_blockwise
-from sglang_dsv4.srt.state import SglangV4Cache
-from sglang_dsv4.tiny import ensure_tiny
 from sglang_dsv4.weight_bytes import checkpoint_bytes, weight_bytes
 
 pytestmark = pytest.mark.gpu
@@ -96,14 +94,18 @@ def test_fp8_linear_matches_the_torch_reference(nk):
     """Triton fp8 block GEMM vs dequant(w) @ qdq(x) in fp32 torch (V4-Flash's projection shapes)."""
     g = torch.Generator(device=DEV).manual_seed(0)
     w = _fp8(*nk, g)
-    worst = 0.0
+    worst = {}
     for m in (1, 5, 64, 333):
         x = torch.randn(m, nk[1], generator=g, device=DEV) * torch.logspace(-2, 1, nk[1], device=DEV)
         got, ref = fp8_linear(x, w), fp8_linear_reference(x, w)
         assert got.shape == (m, nk[0]) and got.dtype == x.dtype
-        worst = max(worst, _rel(got, ref).max().item())
-    report("fp8_linear_vs_reference", n=nk[0], k=nk[1], max_rel_err=worst)
-    assert worst < 1e-4, worst
+        worst[m] = _rel(got, ref).max().item()
+    report("fp8_linear_vs_reference", n=nk[0], k=nk[1], max_rel_err_by_rows=worst)
+    # Tiles of 64+ rows run on Hopper's fp8 wgmma, which sums each 128-term block (one scale
+    # group; the kernel adds the blocks in fp32) with a narrower accumulator than fp32 (about 13-14
+    # mantissa bits, as the DeepSeek-V3 report measured): ~1.4e-4 per row was seen on the H200.
+    # Smaller tiles (mma.sync) match to ~1e-7. A wrong scale or row is an error of order 1.
+    assert max(worst.values()) < 1e-3, worst
 
 
 @pytest.mark.parametrize("first, local", [(0, 32), (16, 16)])
@@ -123,13 +125,17 @@ def test_grouped_fp8_experts_match_the_reference_gemm(first, local, monkeypatch)
             mp.setattr(fp8_moe, "fp8_gemm", fp8_gemm_reference)
             ref = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
         held = ((chosen >= first) & (chosen < first + local)).any(1)
+        assert torch.equal(got[~held], torch.zeros_like(got[~held]))
+        if not held.any():
+            continue
         err = _rel(got[held], ref[held])
         report("fp8_grouped_experts_vs_reference", tokens=T, first=first, local=local,
                median_rel_err=err.median().item(), max_rel_err=err.max().item())
-        # the activation between the GEMMs is re-quantised: an fp32-order difference may flip a
-        # rare e4m3 rounding of one of 2048 inputs, hence the looser max
-        assert err.median() < 1e-4 and err.max() < 5e-3, (err.median().item(), err.max().item())
-        assert torch.equal(got[~held], torch.zeros_like(got[~held]))
+        # The activation between the GEMMs is re-quantised to e4m3 (relative spacing ~2^-3): GEMM
+        # 1's rounding difference (~1e-7 on mma.sync tiles, ~1.4e-4 on wgmma tiles, see above)
+        # flips the rounding of a few of the 2048 inputs of GEMM 2, each by one e4m3 step, which
+        # moves a row by ~sqrt(flips / 2048) * 2^-3: ~3e-3 median at 300 tokens on the H200.
+        assert err.median() < 1e-2 and err.max() < 5e-2, (err.median().item(), err.max().item())
 
 
 # ---- bytes on the GPU ---------------------------------------------------------------------------
@@ -164,8 +170,8 @@ def _expected(cfg: V4Config) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    return str(ensure_tiny("tiny", 0, tmp_path_factory.mktemp("dsv4cache")))
+def tiny_path(tiny_dir) -> str:
+    return str(tiny_dir)
 
 
 def _source(which: str, tiny_path: str):
@@ -199,26 +205,12 @@ def test_weight_bytes_on_the_gpu(which, tiny_path):
 
 # ---- logits against the bf16 path ---------------------------------------------------------------
 
-class Server:
-    """The serving cache driven as SGLang drives it (as in tests/core/test_step_gpu.py)."""
-
-    def __init__(self, cfg, rows: int, max_len: int = 2048):
-        self.cache = SglangV4Cache(cfg, rows, 32768, max_seq_len=max_len, device=DEV, backend="flashmla")
-        self.cache.req_to_token = torch.zeros(rows, max_len, dtype=torch.int32, device=DEV)
-        self.next = 1
-
-    def slots(self, row: int, start: int, n: int) -> None:
-        self.cache.req_to_token[row, start:start + n] = torch.arange(self.next, self.next + n, dtype=torch.int32,
-                                                                     device=DEV)
-        self.next += n
-
-
-def _run(model, cfg, prompts, tails, graphs: bool = False):
+def _run(serving_rows, model, cfg, prompts, tails, graphs: bool = False):
     """Each prompt prefilled in its own row, then len(tails[0]) batched decode steps fed the same
     tokens (teacher forcing) -> (prefill logits [sum n, V], decode logits [steps, B, V])."""
     if graphs:
         model.enable_cuda_graphs(max_batch=16)
-    srv = Server(cfg, len(prompts) + 1)
+    srv = serving_rows(cfg, len(prompts) + 1, token_slots=32768, max_len=2048)
     states, pre = [], []
     for i, p in enumerate(prompts):
         srv.slots(i, 0, p.numel())
@@ -235,7 +227,7 @@ def _run(model, cfg, prompts, tails, graphs: bool = False):
 
 
 @pytest.mark.parametrize("which", ["tiny", "flash4"])
-def test_logits_against_the_bf16_path(which, tiny_path):
+def test_logits_against_the_bf16_path(which, tiny_path, serving_rows):
     cfg, source = _source(which, tiny_path)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (37, 130, 260, 515)]
@@ -243,7 +235,7 @@ def test_logits_against_the_bf16_path(which, tiny_path):
     out = {}
     for mode in ("bf16", "fp8"):
         model, _ = _load(cfg, mode, source)
-        out[mode] = _run(model, cfg, prompts, tails)
+        out[mode] = _run(serving_rows, model, cfg, prompts, tails)
         del model
     for part, (a, b) in {"prefill": (out["fp8"][0], out["bf16"][0]),
                          "decode": (out["fp8"][1].flatten(0, 1), out["bf16"][1].flatten(0, 1))}.items():
@@ -254,19 +246,19 @@ def test_logits_against_the_bf16_path(which, tiny_path):
         assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
 
 
-def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path):
+def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows):
     cfg, path = _source("tiny", tiny_path)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 120, 125, 126, 127, 250, 255)]
     tails = torch.randint(0, cfg.vocab_size, (8, 6), generator=g).to(DEV)
     eager_model, _ = _load(cfg, "fp8", path)
-    eager = _run(eager_model, cfg, prompts, tails)[1]
+    eager = _run(serving_rows, eager_model, cfg, prompts, tails)[1]
     graph_model, _ = _load(cfg, "fp8", path)
-    replay = _run(graph_model, cfg, prompts, tails, graphs=True)[1]
+    replay = _run(serving_rows, graph_model, cfg, prompts, tails, graphs=True)[1]
     assert graph_model.graphs.captured
     assert torch.equal(eager, replay)
     # one more eager decode step with host syncs turned into errors
-    srv = Server(cfg, 3)
+    srv = serving_rows(cfg, 3, token_slots=32768, max_len=2048)
     states = []
     for i, p in enumerate(prompts[:2]):
         srv.slots(i, 0, p.numel())
