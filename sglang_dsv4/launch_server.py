@@ -9,7 +9,7 @@ attention kernel (auto: FlashMLA on SM90/SM100 GPUs, float32 rows and torch else
 (default: SGLang's max running requests; 0 turns them off, as SGLang's ``--disable-cuda-graph`` does).
 ``--dsv4-weights {auto,bf16,fp8}`` picks the matrices' precision on the device (``kernels.weight_mode``:
 bf16 = dequantised; fp8 = the checkpoint's fp8 block-128 matrices kept, fp4 experts converted to fp8
-exactly; auto = bf16 until fp8 is verified on a GPU, ``kernels.weight_mode.AUTO_FP8``).
+exactly; auto = fp8 on an SM90+ GPU with a checkpoint of fp4/fp8 experts, bf16 elsewhere).
 ``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of

@@ -174,13 +174,9 @@ def test_mode_selection_on_this_cpu():
     with pytest.raises(WeightModeError, match="unknown weight mode 'int4'"):
         select_weight_mode("int4", "cpu", cfg)
     mode, why = _select_on_gpu("auto", cfg)
-    assert mode == "bf16" and "opt-in" in why  # until verified on a GPU (weight_mode.AUTO_FP8)
+    assert mode == "fp8" and "auto -> fp8" in why
     assert _select_on_gpu("fp8", cfg)[0] == "fp8"
-    weight_mode.AUTO_FP8 = True
-    try:
-        assert _select_on_gpu("auto", cfg)[0] == "fp8"
-    finally:
-        weight_mode.AUTO_FP8 = False
+    assert _select_on_gpu("bf16", cfg)[0] == "bf16"
 
 
 def test_weights_flag():
