@@ -139,22 +139,12 @@ def _check_scale(spec: TensorSpec, scale: torch.Tensor) -> None:
 
 
 def _shard_fp8(name: str, w: Fp8Weight, shard: Callable[[str, torch.Tensor], torch.Tensor | None]) -> Fp8Weight | None:
-    """A rank's part of an fp8 matrix: ``shard``'s rule on the values, and the same rule on a map of
-    block ids to cut the scales (the cut must fall on 128-block boundaries)."""
-    q = shard(name, w.q)
-    if q is None or q is w.q:
-        return None if q is None else w
-    B = FP8_WEIGHT_BLOCK
-    nb_o, nb_i = w.scale.shape
-    ids = torch.arange(nb_o * nb_i, dtype=torch.int32, device=w.q.device).view(nb_o, nb_i)
-    full = ids.repeat_interleave(B, 0).repeat_interleave(B, 1)[:w.q.shape[0], :w.q.shape[1]]
-    cut = shard(name, full)
-    blocks = cut[::B, ::B]
-    back = blocks.repeat_interleave(B, 0).repeat_interleave(B, 1)[:cut.shape[0], :cut.shape[1]]
-    if tuple(cut.shape) != tuple(q.shape) or not torch.equal(back, cut):
-        raise CheckpointError(f"tensor {name}: this rank's slice {format_shape(q.shape)} does not fall on "
-                              f"{B}x{B} scale-block boundaries; use --dsv4-weights bf16 for this split")
-    return Fp8Weight(q.contiguous(), w.scale.flatten()[blocks.long()].contiguous())
+    """A rank's part of an fp8 matrix (``Fp8Weight.sliced`` with ``shard``'s rule for ``name``)."""
+    try:
+        return w.sliced(lambda t: shard(name, t))
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name}: this rank's slice does not fall on {FP8_WEIGHT_BLOCK}x{FP8_WEIGHT_BLOCK} "
+                              f"scale-block boundaries ({e}); use --dsv4-weights bf16 for this split") from None
 
 
 def _quantised(spec: TensorSpec, found: Mapping[str, torch.Tensor], device) -> Fp8Weight:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import V4Config
+from ..kernels.fp8_linear import Fp8Weight
 from . import ops
 from .model import V4Model
 
@@ -145,7 +146,11 @@ class TensorSharder:
         if not self.holds(name):
             return None
         rule = self.rules.get(self._local(name))
-        return rule(t) if rule else t
+        if rule is None:
+            return t
+        if isinstance(t, Fp8Weight):  # the fp8 weight mode: values and block scales cut alike
+            return t.sliced(rule)
+        return rule(t)
 
 
 def shard_model(model: V4Model, par: ModelParallel) -> V4Model:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,26 @@ class Fp8Weight:
 
     def to(self, device) -> "Fp8Weight":
         return Fp8Weight(self.q.to(device), self.scale.to(device))
+
+    def sliced(self, rule: Callable[[Tensor], Tensor | None]) -> "Fp8Weight | None":
+        """This matrix cut by ``rule`` (a slice of a [N, K] tensor, e.g. a tensor-parallel rank's
+        rows or columns; None: the rank holds none of it). The scales are cut by the same rule,
+        applied to a map of block ids, so the cut must fall on 128x128 block boundaries
+        (ValueError otherwise)."""
+        q = rule(self.q)
+        if q is None or q is self.q:
+            return None if q is None else self
+        B = FP8_WEIGHT_BLOCK
+        nb_o, nb_i = self.scale.shape
+        ids = torch.arange(nb_o * nb_i, dtype=torch.int32, device=self.q.device).view(nb_o, nb_i)
+        full = ids.repeat_interleave(B, 0).repeat_interleave(B, 1)[:self.q.shape[0], :self.q.shape[1]]
+        cut = rule(full)
+        blocks = cut[::B, ::B]
+        back = blocks.repeat_interleave(B, 0).repeat_interleave(B, 1)[:cut.shape[0], :cut.shape[1]]
+        if tuple(cut.shape) != tuple(q.shape) or not torch.equal(back, cut):
+            raise ValueError(f"the slice {list(q.shape)} of a {list(self.q.shape)} fp8 matrix does not fall on "
+                             f"{B}x{B} scale-block boundaries")
+        return Fp8Weight(q.contiguous(), self.scale.flatten()[blocks.long()].contiguous())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         if self.q.dim() == 2:

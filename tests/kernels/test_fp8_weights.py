@@ -21,6 +21,7 @@ from sglang_dsv4.config import V4Config
 from sglang_dsv4.core import ops
 from sglang_dsv4.core.cache import V4Cache
 from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.core.parallel import shard_weights
 from sglang_dsv4.kernels import weight_mode
 from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_linear_reference, qdq_act,
                                             quantize_act)
@@ -157,6 +158,24 @@ def test_fp8_shards_cut_values_and_scales_alike():
     with pytest.raises(CheckpointError, match="x: this rank's slice .* 128x128"):
         _shard_fp8("x", w, lambda _n, t: t[:, 100:200].contiguous())
     assert _shard_fp8("x", w, lambda _n, t: None) is None
+
+
+def test_core_tensor_parallelism_cuts_fp8_matrices_as_their_values(tiny_dir):
+    """``parallel.shard_weights`` on fp8-mode weights (the core's own TP, as the server's streamed
+    loader does per tensor): each rank's Fp8Weight dequantises to its slice of the dequantised one."""
+    deq = load_checkpoint(tiny_dir).tensors  # micro's matrices are too narrow to cut on 128 blocks
+    fp8 = load_checkpoint(tiny_dir, weight_mode="fp8")
+    cut = 0
+    for rank in range(2):
+        a = shard_weights(fp8.config, fp8.tensors, rank, 2, rank, 2)
+        b = shard_weights(fp8.config, deq, rank, 2, rank, 2)
+        assert a.keys() == b.keys()
+        for name, t in a.items():
+            if isinstance(t, Fp8Weight):
+                cut += t.q is not fp8.tensors[name].q
+                t = t.dequantize()
+            assert torch.equal(bits(t), bits(b[name])), name
+    assert cut > 0
 
 
 # ---- mode selection and the flag -----------------------------------------------------------------
