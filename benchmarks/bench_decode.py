@@ -11,12 +11,14 @@ as ``sglang_dsv4_old``, e.g. ``git archive 521fd56 sglang_dsv4``) over its refer
 share one set of random bf16 weights and run in this one process, side by side.
 
 Paths: ``before`` (the old package), ``batched`` (this tree, eager), ``graphs`` (this tree, decode
-replayed from CUDA graphs, ``V4Model.enable_cuda_graphs``). Columns: step ms (median over ``--steps`` after warm-up, the GPU drained around each step), tok/s
+replayed from CUDA graphs, ``V4Model.enable_cuda_graphs``), and ``batched-det`` / ``graphs-det``
+(the same in the deterministic mode, ``V4Model(deterministic=True)``: its cost). Columns: step ms (median over ``--steps`` after warm-up, the GPU drained around each step), tok/s
 (B / step), pipelined ms (steps issued back to back: host work overlaps the GPU), kernel launches and
 host syncs per step and GPU busy % (torch profiler over 3 steps: CUDA kernel time / wall time),
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
-device-to-device copy bandwidth measured in the same run) and step / roofline.
+device-to-device copy bandwidth measured in the same run) and step / roofline; prefill s: the
+context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops).
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
 dequantised matrices above, ``fp8`` random checkpoint-format tensors loaded in the fp8 weight
@@ -167,9 +169,10 @@ def copy_bandwidth(device: str) -> float:
 class NewPath:
     """This tree: the batched step over the serving cache, slots handed out as SGLang does."""
 
-    def __init__(self, cfg, w, batch: int, ctx: int, steps: int, device: str, graphs: bool = False):
-        self.model = V4Model(cfg, w)
-        self.name = "graphs" if graphs else "batched"
+    def __init__(self, cfg, w, batch: int, ctx: int, steps: int, device: str, graphs: bool = False,
+                 deterministic: bool = False):
+        self.model = V4Model(cfg, w, deterministic=deterministic)
+        self.name = ("graphs" if graphs else "batched") + ("-det" if deterministic else "")
         if graphs:
             self.model.enable_cuda_graphs()
         max_len = ctx + steps + 8
@@ -300,15 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old-max-batch", type=int, default=64, help="skip the old path above this batch")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
     ap.add_argument("--paths", default="batched,graphs",
-                    help="new code paths to time: batched (eager) and/or graphs (CUDA-graph replay); "
-                         "the before path runs whenever --old-root is given")
+                    help="new code paths to time: batched (eager), graphs (CUDA-graph replay), and the "
+                         "same in the deterministic mode (batched-det, graphs-det); the before path runs "
+                         "whenever --old-root is given")
     ap.add_argument("--weights", default="bf16",
                     help="weight modes, side by side: bf16 (dequantised) and/or fp8 (fp8 block-128, experts converted)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    new_paths = set(args.paths.split(","))
-    if not new_paths <= {"batched", "graphs"}:
-        ap.error(f"--paths: unknown path(s) {sorted(new_paths - {'batched', 'graphs'})} (known: batched, graphs)")
+    known = ("batched", "graphs", "batched-det", "graphs-det")
+    new_paths = args.paths.split(",")
+    if not set(new_paths) <= set(known):
+        ap.error(f"--paths: unknown path(s) {sorted(set(new_paths) - set(known))} (known: {', '.join(known)})")
     device = "cuda"
     t_start = time.perf_counter()
     old = None
@@ -320,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(device)
     rows = []
     header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
-              "| GPU busy % | roofline ms | step / roofline | vs before |")
+              "| GPU busy % | roofline ms | step / roofline | vs before | prefill s |")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
-    print(header + "\n" + "|---" * 14 + "|", flush=True)
+    print(header + "\n" + "|---" * 15 + "|", flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]
         cfg = make_config(cname, max(contexts) + args.steps + 64)
@@ -338,13 +343,16 @@ def main(argv: list[str] | None = None) -> int:
                 paths = []
                 if old is not None and batch <= args.old_max_batch and mode == "bf16":
                     paths.append(lambda: OldPath(old, cfg, w, batch, ctx, 2 * args.steps, device))
-                if "batched" in new_paths:
-                    paths.append(lambda: NewPath(cfg, w, batch, ctx, 2 * args.steps, device))
-                if "graphs" in new_paths:
-                    paths.append(lambda: NewPath(cfg, w, batch, ctx, 2 * args.steps, device, graphs=True))
+                for p in new_paths:
+                    paths.append(lambda p=p: NewPath(cfg, w, batch, ctx, 2 * args.steps, device,
+                                                     graphs=p.startswith("graphs"), deterministic=p.endswith("-det")))
                 for make in paths:
                     path = make()
+                    torch.cuda.synchronize()
+                    t_pre = time.perf_counter()
                     path.prefill(2048)
+                    torch.cuda.synchronize()
+                    prefill_s = time.perf_counter() - t_pre  # the first path of a config includes compilation
                     ms = time_steps(path, args.steps) * 1e3
                     piped = time_pipelined(path, args.steps) * 1e3
                     launches, syncs, busy = profile_step(path)
@@ -352,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                     if path.name == "before":
                         before = ms
                     line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
-                            f"{piped:.2f} | {launches:.0f} | {syncs:.1f} | {busy:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {ratio} |")
+                            f"{piped:.2f} | {launches:.0f} | {syncs:.1f} | {busy:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | "
+                            f"{ratio} | {prefill_s:.2f} |")
                     rows.append(line)
                     print(line, flush=True)
                     del path
@@ -360,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         del w, ws
         torch.cuda.empty_cache()
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 14 + "|\n" + "\n".join(rows) + "\n")
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 15 + "|\n" + "\n".join(rows) + "\n")
     return 0
 
 

@@ -1,6 +1,7 @@
 """How far the GPU step is from chunk invariance today (issue 15's GPU deterministic mode).
 
-    python -m benchmarks.chunk_invariance_gpu [--configs tiny,flash8] [--prompt 600] [--steps 32]
+    python -m benchmarks.chunk_invariance_gpu [--configs tiny,flash8] [--modes default,deterministic,graphs-det]
+        [--prompt 600] [--steps 32]
 
 On the CPU every position's result is independent of how its sequence was chunked
 (``tests/core/test_chunk_invariance.py``). On the GPU it is not (cuBLAS picks its GEMM by row
@@ -9,7 +10,9 @@ shapes). This prints, per config and compile setting, how much the logits move w
 prefilled uncut vs cut as [1, rest] (the cut a server makes after a cached BOS token) or at the
 middle, and when a request decodes alone vs inside a batch of 8: whether they are equal, the
 largest and median relative logit difference, the first decode step whose greedy token differs.
-A measurement, not a test: it is the baseline an opt-in deterministic mode must bring to zero.
+``--modes``: ``default`` (the GPU step as it serves), ``deterministic`` (``V4Model(deterministic=True)``,
+eager), ``graphs-det`` (the deterministic mode with decode replayed from CUDA graphs), ``graphs``.
+A measurement; ``tests/core/test_deterministic_gpu.py`` asserts the deterministic rows.
 """
 
 from __future__ import annotations
@@ -80,14 +83,18 @@ def main() -> int:
     ap.add_argument("--configs", default="tiny,flash8")
     ap.add_argument("--prompt", type=int, default=600)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--modes", default="default,deterministic")
     args = ap.parse_args()
     compile_on = os.environ.get("SGLANG_DSV4_COMPILE", "1") not in ("0", "false", "False", "")
-    print("| config | compile | case | prefill equal | prefill max rel | prefill median rel "
+    print("| config | mode | compile | case | prefill equal | prefill max rel | prefill median rel "
           "| decode equal | decode max rel | first token differing |")
-    print("|---" * 9 + "|")
-    for name in args.configs.split(","):
+    print("|---" * 10 + "|")
+    for name, mode in [(n, m) for n in args.configs.split(",") for m in args.modes.split(",")]:
         cfg = make_config(name, args.prompt + args.steps + 64)
-        model = V4Model(cfg, random_weights(cfg, DEV, torch.bfloat16))
+        model = V4Model(cfg, random_weights(cfg, DEV, torch.bfloat16), deterministic=mode.endswith("det")
+                        or mode == "deterministic")
+        if mode.startswith("graphs"):
+            model.enable_cuda_graphs(16)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g)
         others = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (37, 130, 260, 515, 70, 5, 300)]
@@ -100,7 +107,7 @@ def main() -> int:
             d_eq, d_max, _ = compare(got[1], ref[1])
             diff = (got[2] != ref[2]).nonzero()
             first = int(diff[0]) if diff.numel() else "-"
-            print(f"| {name} | {'on' if compile_on else 'off'} | {case} | {p_eq} | {p_max:.2e} | {p_med:.2e} "
+            print(f"| {name} | {mode} | {'on' if compile_on else 'off'} | {case} | {p_eq} | {p_max:.2e} | {p_med:.2e} "
                   f"| {d_eq} | {d_max:.2e} | {first} |", flush=True)
         del model
         torch.cuda.empty_cache()

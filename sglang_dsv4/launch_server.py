@@ -10,6 +10,8 @@ attention kernel (auto: FlashMLA on SM90/SM100 GPUs, float32 rows and torch else
 ``--dsv4-weights {auto,bf16,fp8}`` picks the matrices' precision on the device (``kernels.weight_mode``:
 bf16 = dequantised; fp8 = the checkpoint's fp8 block-128 matrices kept, fp4 experts converted to fp8
 exactly; auto = fp8 on an SM90+ GPU with a checkpoint of fp4/fp8 experts, bf16 elsewhere).
+``--dsv4-deterministic`` makes every position's result independent of how its sequence is chunked
+and batched on the GPU too (``core.model``'s deterministic mode; the CPU path is so already).
 ``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
@@ -26,7 +28,8 @@ import os
 import sys
 from pathlib import Path
 
-from .srt.pool_sizing import ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY
+from .srt.pool_sizing import (ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY, SNAPSHOT_BUDGET_KEY,
+                               WEIGHTS_KEY)
 
 TINY_PRESETS = ("micro", "tiny")
 # SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
@@ -155,6 +158,10 @@ DSV4_FLAGS = {
     "--dsv4-cuda-graph-max-bs": (CUDA_GRAPH_MAX_BS_KEY, _graph_max_bs),
     "--dsv4-weights": (WEIGHTS_KEY, _weights),
 }
+# our switches (no value) -> the model config override key set to true
+DSV4_SWITCHES = {
+    "--dsv4-deterministic": DETERMINISTIC_KEY,
+}
 
 
 def dsv4_arguments(args: list[str]) -> list[str]:
@@ -164,6 +171,11 @@ def dsv4_arguments(args: list[str]) -> list[str]:
     it = iter(args)
     for a in it:
         flag, _, inline = a.partition("=")
+        if flag in DSV4_SWITCHES:
+            if inline:
+                raise SystemExit(f"{flag}: takes no value (got {inline!r})")
+            overrides[DSV4_SWITCHES[flag]] = True
+            continue
         if flag not in DSV4_FLAGS:
             out.append(a)
             continue

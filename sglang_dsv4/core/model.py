@@ -11,7 +11,10 @@ The cache is reached only through ``step.V4CacheView``; the same code runs over 
 cache (``cache.V4Cache``) and the serving one (``srt.state.SglangV4Cache``), on CPU and GPU.
 On the CPU every position's result is independent of how its sequence was chunked (GEMM rows
 padded, fixed-width entry tables, sequential C128 pooling), so cut prefills and decode give
-the logits of an uncut prefill bit for bit.
+the logits of an uncut prefill bit for bit. On the GPU the same holds only in the opt-in
+deterministic mode (``deterministic=True``): every forward runs over exactly
+``step.DETERMINISTIC_TILE`` token rows, every step (decode too) through the backend's prefill
+kernel, and the indexer's dot products in float64 (exact for its fp4-valued operands).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from ..kernels.fp8_linear import Fp8Weight
 from . import ops
 from .cache import RequestState
 from .slot_state import C4_STATE_ROWS
-from .step import CPU_TOKEN_TILE, StepBatch, V4CacheView, build_step, pad_step, step_tables
+from .step import (CPU_TOKEN_TILE, DETERMINISTIC_TILE, StepBatch, V4CacheView, build_step, pad_step,
+                   step_tables, tile_pieces)
 
 if TYPE_CHECKING:
     from .parallel import ModelParallel
@@ -57,11 +61,17 @@ class V4Model:
     With ``parallel`` (a ``parallel.ModelParallel``), ``weights`` are one rank's shards
     (``parallel.shard_model`` makes them) and the attention output and MoE are reduced over its
     process groups; None is the single-process model.
+
+    ``deterministic`` (opt-in; see the module docstring) makes every position's result
+    independent of the chunking and of the batch on any device, at the cost of running each
+    forward in pieces of ``DETERMINISTIC_TILE`` rows (``benchmarks/bench_decode.py --deterministic``
+    measures it). On the CPU it changes no result: the default path is invariant there already.
     """
 
     def __init__(self, cfg: V4Config, weights: dict[str, Tensor], quant_sim: bool = True,
-                 parallel: ModelParallel | None = None):
+                 parallel: ModelParallel | None = None, deterministic: bool = False):
         self.cfg, self.w, self.quant_sim, self.parallel = cfg, weights, quant_sim, parallel
+        self.deterministic = deterministic
         self.layers = [ops.layer_view(weights, f"layers.{i}") for i in range(cfg.num_hidden_layers)]
         self.mtp = [ops.layer_view(weights, f"mtp.{m}") for m in range(cfg.num_mtp_layers)]
         # "fp8" when the loader kept the checkpoint's matrices quantised (``checkpoint.loader``'s
@@ -79,7 +89,10 @@ class V4Model:
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
         from .graphs import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self, max_batch)
+        if self.deterministic:  # one graph shape: every decode piece is padded to the tile
+            self.graphs = DecodeGraphs(self, DETERMINISTIC_TILE, buckets=(DETERMINISTIC_TILE,))
+        else:
+            self.graphs = DecodeGraphs(self, max_batch)
 
     def _stack_experts(self) -> None:
         """Stacked expert matrices for the GPU's grouped GEMM (bf16: ``torch._grouped_mm``; fp8:
@@ -104,6 +117,37 @@ class V4Model:
         Raises ValueError (too long) or CacheCapacityError before touching any state.
         """
         self._check_inputs(cache, reqs, ids)
+        if self.deterministic:
+            pieces = tile_pieces([t.numel() for t in ids], DETERMINISTIC_TILE)
+            if len(pieces) > 1:
+                return self._forward_pieces(cache, reqs, ids, pieces, return_streams, return_hidden, flat)
+        return self._forward_once(cache, reqs, ids, return_streams, return_hidden, flat)
+
+    def _forward_pieces(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
+                        pieces: list[list[tuple[int, int, int]]], return_streams: bool, return_hidden: bool,
+                        flat: bool):
+        """``forward`` as consecutive steps over ``pieces`` (``step.tile_pieces``): a request cut
+        between pieces continues in the next one, as in a chunked prefill."""
+        outs: list[list[Tensor]] = [[] for _ in reqs]
+        streams: list[list[Tensor]] = [[] for _ in reqs]
+        for piece in pieces:
+            got = self._forward_once(cache, [reqs[i] for i, _, _ in piece], [ids[i][lo:hi] for i, lo, hi in piece],
+                                     return_streams, return_hidden, False)
+            per_req, per_streams = got if return_streams else (got, None)
+            for k, (i, _, _) in enumerate(piece):
+                outs[i].append(per_req[k])
+                if per_streams is not None:
+                    streams[i].append(per_streams[k])
+        out = [torch.cat(o) for o in outs]
+        h = [torch.cat(o) for o in streams] if return_streams else None
+        if flat:
+            out = torch.cat(out)
+            return (out, torch.cat(h)) if return_streams else out
+        return (out, h) if return_streams else out
+
+    def _forward_once(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
+                      return_streams: bool, return_hidden: bool, flat: bool):
+        """``forward`` as one step (inputs checked)."""
         if self.graphs is not None:
             replayed = self.graphs.run(cache, reqs, ids)  # None: not a decode step, or too large
             if replayed is not None:
@@ -122,10 +166,16 @@ class V4Model:
         return self._per_request(h[:n], self.head_input(h)[:n], step.real_lens, return_streams, return_hidden, flat)
 
     def _pad(self, cache: V4CacheView, step: StepBatch) -> StepBatch:
-        """On the CPU, pad the step's tokens to ``CPU_TOKEN_TILE`` (see there); as is elsewhere."""
-        if self.device.type != "cpu":
+        """Pad the step's tokens to ``DETERMINISTIC_TILE`` in the deterministic mode (a step is at
+        most one tile then), to a multiple of ``CPU_TOKEN_TILE`` on the CPU (see there); as is
+        elsewhere."""
+        if self.deterministic:
+            tile = DETERMINISTIC_TILE
+        elif self.device.type == "cpu":
+            tile = CPU_TOKEN_TILE
+        else:
             return step
-        return pad_step(step, CPU_TOKEN_TILE, {r: p.scratch_row for r, p in cache.pools.items()})
+        return pad_step(step, tile, {r: p.scratch_row for r, p in cache.pools.items()})
 
     def forward_step(self, cache: V4CacheView, step: StepBatch) -> Tensor:
         """The batched step on device tensors only: -> final residual streams [T, hc, D]."""
@@ -230,7 +280,8 @@ class V4Model:
         o = backend.attend(AttnBatch(
             q, kv, step, ring=cache.slot_state["ring"][:, layer],
             ring_layout=cache.layout.ring, comp_idx=comp_idx, entry_table=table,
-            entries=entries, entry_layout=entry_layout, sink=w["attn.attn_sink"], scale=cfg.softmax_scale))
+            entries=entries, entry_layout=entry_layout, sink=w["attn.attn_sink"], scale=cfg.softmax_scale,
+            decode_kernel=not self.deterministic))
         out = ops.attention_output(o, w, pos, freqs, cfg)
         return self.parallel.reduce_attention(out) if self.parallel else out
 
@@ -282,7 +333,8 @@ class V4Model:
         scores = torch.empty(B, L, N, dtype=qi.dtype, device=qi.device)
         for l0 in range(0, L, self.SCORE_BLOCK):     # bounds the [B, block, Hi, N] products
             gb = grid[:, l0:l0 + self.SCORE_BLOCK]
-            scores[:, l0:l0 + self.SCORE_BLOCK] = ops.batched_indexer_scores(qi[gb], hw[gb], keys)
+            scores[:, l0:l0 + self.SCORE_BLOCK] = ops.batched_indexer_scores(qi[gb], hw[gb], keys,
+                                                                             exact=self.deterministic)
         b = step.tok_req
         scores = scores[b, torch.arange(step.num_tokens, device=b.device) - step.row0[b]]
         return ops.select_topk(scores, visible, self.cfg.index_topk)

@@ -327,13 +327,20 @@ def indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
 
 
 @on_gpu
-def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
+def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor, exact: bool = False) -> Tensor:
     """Per request: qi [B, L, Hi, Di], head weights [B, L, Hi], its keys [B, N, Di] -> [B, L, N].
 
     The head sum is a plain reduction over Hi (not a per-row GEMM), so a row's score does not
-    depend on the rows or requests batched with it."""
+    depend on the rows or requests batched with it. ``exact`` (the deterministic mode) takes
+    the dot products in float64: qi and the keys are fp4 values times power-of-two scales after
+    V4's QAT, so every product and partial sum is exact in float64 and the dot does not depend
+    on the summation order the GEMM kernel (chosen by shape on a GPU) happens to use."""
     B, L, Hi, Di = qi.shape
-    dots = torch.bmm(qi.reshape(B, L * Hi, Di), keys.transpose(1, 2)).view(B, L, Hi, -1)
+    if exact:
+        dots = torch.bmm(qi.reshape(B, L * Hi, Di).double(), keys.transpose(1, 2).double())
+        dots = dots.to(qi.dtype).view(B, L, Hi, -1)
+    else:
+        dots = torch.bmm(qi.reshape(B, L * Hi, Di), keys.transpose(1, 2)).view(B, L, Hi, -1)
     return (head_weights.unsqueeze(-1) * F.relu(dots)).sum(2)
 
 

@@ -34,6 +34,12 @@ C128 = 128
 # multiple of 32 rows nothing falls in a tail; CPU GEMMs also give each row the same result for
 # any row count that is a multiple of 4 (``ops.linear``).
 CPU_TOKEN_TILE = 32
+# The deterministic mode (``V4Model(deterministic=True)``, opt-in on the GPU) runs every forward
+# over exactly this many token rows: a longer step is cut into pieces, a shorter one padded. GPU
+# kernels are chosen by shape (cuBLAS by row count, FlashMLA's decode split by batch size, Triton
+# configs by size), so only a step of one fixed shape gives each row a result that does not
+# depend on the rows beside it, i.e. on the chunking and the batch.
+DETERMINISTIC_TILE = 64
 MIN_ENTRY_WIDTH = 64  # the GPU's entry-table width bucket floor (FlashMLA reads indices in blocks of 64)
 
 
@@ -299,3 +305,22 @@ def pad_step(step: StepBatch, tile: int, scratch_rows: dict[int, int]) -> StepBa
 def completing_tokens(positions: Tensor, ratio: int) -> Tensor:
     """[T] bool: token t completes group (p + 1) // ratio - 1."""
     return (positions + 1) % ratio == 0
+
+
+def tile_pieces(lens: Sequence[int], tile: int) -> list[list[tuple[int, int, int]]]:
+    """The tokens of a step (request i brings ``lens[i]``), in request order, cut into pieces of
+    at most ``tile`` tokens -> per piece its (request index, first, end) token ranges."""
+    pieces, cur, room = [], [], tile
+    for i, n in enumerate(lens):
+        lo = 0
+        while lo < n:
+            take = min(room, n - lo)
+            cur.append((i, lo, lo + take))
+            lo += take
+            room -= take
+            if room == 0:
+                pieces.append(cur)
+                cur, room = [], tile
+    if cur:
+        pieces.append(cur)
+    return pieces

@@ -46,6 +46,8 @@ class AttnBatch:
     entry_layout: RowLayout | None
     sink: Tensor               # [H] attention-sink logits
     scale: float
+    decode_kernel: bool = True  # False: a decode step too goes through the prefill kernel (the
+    #                             deterministic mode: one kernel for every step, split by nothing)
 
     @property
     def window(self) -> int:

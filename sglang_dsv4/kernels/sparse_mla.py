@@ -74,7 +74,7 @@ class SparseMLABackend(AttentionBackend):
         return fp8_entry_layouts(cfg, page_size, self.dtype)
 
     def attend(self, b: AttnBatch) -> Tensor:
-        if b.step.is_decode:
+        if b.step.is_decode and b.decode_kernel:
             return self._decode(b)
         return self._prefill(b)
 

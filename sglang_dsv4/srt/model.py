@@ -18,8 +18,9 @@ from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
 from ..core.model import V4Model, weight_dtypes
 from ..core.parallel import ModelParallel, TensorSharder
+from ..core.step import DETERMINISTIC_TILE
 from ..kernels.weight_mode import WEIGHTS_KEY, select_weight_mode
-from .pool_sizing import CUDA_GRAPH_MAX_BS_KEY, SNAPSHOT_BUDGET_KEY, cache_backend
+from .pool_sizing import CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY, SNAPSHOT_BUDGET_KEY, cache_backend
 from .state import SglangV4Cache
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             # logits processor) applied to the core's hidden states: a full copy would be dead
             # weight (~1 GB for V4) on every rank
             del tensors["head.weight"]
-        self.core = V4Model(self.v4, tensors, parallel=par)
+        # --dsv4-deterministic: every position's result independent of chunking and batch, on
+        # the GPU too (core.model), at a measured cost (benchmarks/bench_decode.py --deterministic)
+        deterministic = bool(getattr(self.config, DETERMINISTIC_KEY, False))
+        self.core = V4Model(self.v4, tensors, parallel=par, deterministic=deterministic)
+        if deterministic:
+            logger.info("sglang_dsv4: deterministic mode: forwards in pieces of %d rows, decode through the "
+                        "prefill kernel, exact indexer dots", DETERMINISTIC_TILE)
         logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s; matrices %s, activations "
                     "float32) on %s%s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
                     "fp8 block-128 (wo_a, embedding, head and bf16-stored ones %s)" % matmul_dtype

@@ -5,7 +5,10 @@ Engine A, the system under test: our radix cache and snapshots; a small token po
 admission (``schedule_conservativeness``), so bursts of long outputs make the scheduler retract
 decoding requests and the tree evicts all the time; a small snapshot budget, so the LRU evicts
 snapshots; chunked prefill of 128 tokens in mixed prefill + decode batches (every third step, so
-that decode steps between them stay cheap: the model pads a batch to its longest extension).
+that decode steps between them stay cheap: the model pads a batch to its longest extension);
+and our deterministic mode (``dsv4_deterministic``, ``core.model``): on the CPU it must change
+no output, so it goes through the scheduler here too (steps cut into 64-row pieces, also between
+fork points).
 Engine B, the reference: ``disable_radix_cache=True`` and a large pool. Both run with SGLang's own
 strict self-checks (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`` / ``_IDLE``), under which our
 plugin runs the cache's integrity check after every forward step and at idle
@@ -43,7 +46,8 @@ NUM_OPS = int(os.environ.get("SGLANG_DSV4_FUZZ_OPS", "10000"))
 ENGINE_A = dict(max_total_tokens=6144, max_running_requests=64, chunked_prefill_size=128,
                 enable_mixed_chunk=True, prefill_decode_interval=2, schedule_policy="fcfs",
                 schedule_conservativeness=0.3,  # admit optimistically: long decodes outgrow the pool
-                json_model_override_args=json.dumps({"dsv4_snapshot_budget_mb": 48}))  # ~200 snapshots
+                json_model_override_args=json.dumps({"dsv4_snapshot_budget_mb": 48,  # ~200 snapshots
+                                                     "dsv4_deterministic": True}))
 ENGINE_B = dict(disable_radix_cache=True, max_total_tokens=32768, max_running_requests=64,
                 chunked_prefill_size=256)
 A_INFLIGHT = 72  # requests in flight on A: a few more than it runs at once (aborts while queued)
