@@ -195,9 +195,12 @@ def dsv4_arguments(args: list[str]) -> list[str]:
 
 
 def _parallel_ranks(args: list[str]) -> int:
-    """Scheduler processes the arguments ask for on this machine (tp x pp x dp)."""
+    """Scheduler processes the arguments ask for on this machine (tp x pp x dp). Data-parallel
+    attention (``--attn-dp-size N``, or the older ``--dp-size N --enable-dp-attention``) splits the
+    TP ranks into attention groups and adds no processes."""
     ranks = 1
-    for names in (("--tp-size", "--tp"), ("--pp-size",), ("--dp-size", "--dp")):
+    dp_flags = () if "--enable-dp-attention" in args else ("--dp-size", "--dp")
+    for names in (("--tp-size", "--tp"), ("--pp-size",), dp_flags):
         for i, a in enumerate(args):
             flag, _, inline = a.partition("=")
             if flag in names:

@@ -40,6 +40,9 @@ def test_user_arguments_win_over_cpu_defaults():
 def test_cpu_ranks_split_the_cores_and_use_gloo(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
     assert _parallel_ranks(["--tp-size", "2", "--dp", "1"]) == 2
+    assert _parallel_ranks(["--tp-size", "2", "--dp-size", "2"]) == 4  # two TP-2 replicas
+    assert _parallel_ranks(["--tp-size", "2", "--attn-dp-size", "2"]) == 2  # attention groups of the TP ranks
+    assert _parallel_ranks(["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]) == 2
     env = cpu_environment({}, ranks=2)
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
     assert env["SGLANG_NCCL_SO_PATH"].startswith("/nonexistent")

@@ -87,6 +87,9 @@ class V4Model:
         bucket and entry-table widths on first use; ``core.graphs``)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
+        if self.parallel is not None and self.parallel.dp is not None:
+            raise ValueError("CUDA graphs of the decode step are not built under data-parallel attention "
+                             "(each step starts with a host exchange of the ranks' row counts)")
         from .graphs import DecodeGraphs
 
         if self.deterministic:  # one graph shape: every decode piece is padded to the tile
@@ -159,6 +162,8 @@ class V4Model:
                           self.device, with_c128=bool(self.cfg.c128_layers))
         step.tables = step_tables(cache, reqs, step)
         step = self._pad(cache, step)
+        if self.parallel is not None and self.parallel.dp is not None:
+            self.parallel.dp.exchange(step.num_tokens)  # the MoE gathers every rank's rows
         h = self.forward_step(cache, step)
         for req, n in zip(reqs, step.real_lens):
             req.num_tokens += n
@@ -209,6 +214,19 @@ class V4Model:
                                "call forward(..., return_hidden=True)")
         return ops.linear(hidden, head)
 
+    def serve_other_ranks(self) -> None:
+        """Data-parallel attention (``parallel.DataParallelTokens``): join the other ranks' passes
+        with zero rows of this rank's own until no rank has one left. Every rank calls it once per
+        scheduler step, after its own forward (an idle rank instead of one); a no-op otherwise."""
+        dp = self.parallel.dp if self.parallel is not None else None
+        if dp is None:
+            return
+        x = torch.zeros(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        while dp.exchange(None):
+            for i, lw in enumerate(self.layers):
+                self.parallel.moe(x, ids, lw, self.cfg, hash_routed=i < self.cfg.num_hash_layers)
+
     # ---- MTP ------------------------------------------------------------------------------
     @torch.no_grad()
     def forward_mtp(self, cache: V4CacheView, reqs: Sequence[RequestState], streams: Sequence[Tensor],
@@ -219,6 +237,8 @@ class V4Model:
         layer = cfg.num_hidden_layers
         if cfg.compress_ratios[layer]:
             raise NotImplementedError(f"an MTP layer with compress ratio {cfg.compress_ratios[layer]}")
+        if self.parallel is not None and self.parallel.dp is not None:
+            raise NotImplementedError("MTP under data-parallel attention")
         for req, t in zip(reqs, next_ids):
             if req.mtp_num_tokens + t.numel() > req.num_tokens:
                 raise ValueError("MTP cannot run ahead of the main model")

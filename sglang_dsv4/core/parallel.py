@@ -19,6 +19,15 @@ so every rank takes the same discrete decisions (indexer top-k, routing, FP8/FP4
 
 The TP and EP groups may be the same group (SGLang runs EP over the TP ranks). No SGLang import:
 ``ModelParallel(None, None)`` is the single-process model.
+
+Data-parallel attention (``ModelParallel.dp``, SGLang's ``--attn-dp-size``): each rank runs
+attention (all heads, TP size 1) and keeps the cache for its own requests only; the MoE of each
+layer runs over all ranks' tokens, gathered (``all_gather_into_tensor``, padded to the largest
+rank's rows), each rank's experts applied to all of them, and the sums scattered back
+(``reduce_scatter_tensor``). Ranks bring different steps, so every step starts with a small host
+exchange of row counts (``DataParallelTokens.exchange``), and a rank with no step of its own (an
+idle rank, or one whose step took fewer passes) joins the others' MoE collectives with zero rows
+(``V4Model.serve_other_ranks``) until no rank has a step left.
 """
 
 from __future__ import annotations
@@ -42,12 +51,54 @@ _LAYER = re.compile(r"^(?:layers|mtp)\.\d+\.(.+)$")
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.")
 
 
+class DataParallelTokens:
+    """The data-parallel attention ranks' token exchange (see the module docstring): ``group``
+    carries the token rows (the device group, the EP group in SGLang), ``cpu_group`` the row
+    counts (a gloo group)."""
+
+    def __init__(self, group: ProcessGroup, cpu_group: ProcessGroup):
+        self.group, self.cpu_group = group, cpu_group
+        self.rows: list[int] = []  # this pass's token rows per rank (set by ``exchange``)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.cpu_group)
+
+    def exchange(self, rows: int | None) -> bool:
+        """Collective over the ranks: this rank's rows for the next pass (None: it has none).
+        -> whether any rank has a pass; ``self.rows`` holds every rank's rows (0 without one)."""
+        mine = torch.tensor([-1 if rows is None else rows], dtype=torch.long)
+        out = torch.empty(self.size, dtype=torch.long)
+        dist.all_gather_into_tensor(out, mine, group=self.cpu_group)
+        counts = out.tolist()
+        self.rows = [max(c, 0) for c in counts]
+        return any(c >= 0 for c in counts)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """This rank's rows [n, ...] -> every rank's, each padded to the largest count [R * m, ...]."""
+        m = max(self.rows)
+        if x.shape[0] < m:
+            x = torch.cat((x, x.new_zeros((m - x.shape[0],) + tuple(x.shape[1:]))))
+        out = x.new_empty((self.size * m,) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+    def scatter_sum(self, y: Tensor, n: int) -> Tensor:
+        """Every rank's partial [R * m, D] -> the sum over ranks of this rank's block, first n rows."""
+        m = max(self.rows)
+        out = y.new_empty((m,) + tuple(y.shape[1:]))
+        dist.reduce_scatter_tensor(out, y.contiguous(), group=self.group)
+        return out[:n]
+
+
 @dataclass(frozen=True)
 class ModelParallel:
-    """A rank's place in the TP and EP groups (a None group = size 1, rank 0)."""
+    """A rank's place in the TP and EP groups (a None group = size 1, rank 0), and with ``dp``
+    data-parallel attention over the EP ranks (attention then not split: ``tp_group`` None)."""
 
     tp_group: ProcessGroup | None = None
     ep_group: ProcessGroup | None = None
+    dp: DataParallelTokens | None = None
 
     @property
     def tp_size(self) -> int:
@@ -77,11 +128,18 @@ class ModelParallel:
 
     def moe(self, x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config,
             hash_routed: bool) -> Tensor:
-        """``ops.moe`` with the routed experts split over the EP group."""
-        if self.ep_size == 1:
+        """``ops.moe`` with the routed experts split over the EP group (with ``dp``: over all the
+        data-parallel ranks' tokens of this pass, ``DataParallelTokens.rows``)."""
+        if self.dp is not None:
+            n = x.shape[0]
+            routed = ops.routed_experts(self.dp.gather(x), self.dp.gather(token_ids), w, cfg, hash_routed,
+                                        self.local_experts(cfg))
+            out = self.dp.scatter_sum(routed, n)
+        elif self.ep_size == 1:
             return ops.moe(x, token_ids, w, cfg, hash_routed)
-        out = ops.routed_experts(x, token_ids, w, cfg, hash_routed, self.local_experts(cfg))
-        dist.all_reduce(out, group=self.ep_group)
+        else:
+            out = ops.routed_experts(x, token_ids, w, cfg, hash_routed, self.local_experts(cfg))
+            dist.all_reduce(out, group=self.ep_group)
         return out + ops.shared_expert(x, w, cfg) if cfg.n_shared_experts else out
 
 

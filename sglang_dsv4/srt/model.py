@@ -17,7 +17,7 @@ from torch import nn
 from ..checkpoint.loader import logical_from_stored
 from ..config import V4Config
 from ..core.model import V4Model, weight_dtypes
-from ..core.parallel import ModelParallel, TensorSharder
+from ..core.parallel import DataParallelTokens, ModelParallel, TensorSharder
 from ..core.step import DETERMINISTIC_TILE
 from ..kernels.weight_mode import WEIGHTS_KEY, select_weight_mode
 from .pool_sizing import CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY, SNAPSHOT_BUDGET_KEY, cache_backend
@@ -76,16 +76,28 @@ class DeepseekV4ForCausalLM(nn.Module):
                     "float32) on %s%s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
                     "fp8 block-128 (wo_a, embedding, head and bf16-stored ones %s)" % matmul_dtype
                     if mode == "fp8" else matmul_dtype, device, "" if par is None else
-                    f"; rank tp {par.tp_rank}/{par.tp_size} ep {par.ep_rank}/{par.ep_size}")
+                    f"; rank tp {par.tp_rank}/{par.tp_size} ep {par.ep_rank}/{par.ep_size}"
+                    + ("" if par is None or par.dp is None else f" (data-parallel attention over {par.dp.size} ranks)"))
 
     def _model_parallel(self) -> ModelParallel | None:
         """Our TP / EP groups from SGLang's (--tp-size, --ep-size); None on one rank. Attention
         splits heads over the TP group, routed experts split over the MoE-EP group."""
         from sglang.srt.distributed import parallel_state as ps
+        from sglang.srt.runtime_context import get_parallel
 
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_moe_expert_parallel_world_size()
         if tp == 1 and ep == 1:
             return None
+        dp = int(getattr(get_parallel(), "attn_dp_size", 1) or 1)
+        if dp > 1:
+            # data-parallel attention: every rank runs all heads over its own requests, the
+            # routed experts split over the EP group, which carries every rank's tokens
+            if not dp == tp == ep:
+                raise ValueError(f"sglang_dsv4: data-parallel attention needs --attn-dp-size = --tp-size = "
+                                 f"--ep-size (got attn-dp {dp}, tp {tp}, ep {ep})")
+            self.v4.validate_parallel(1, ep)
+            group = ps.get_moe_ep_group()
+            return ModelParallel(None, group.device_group, DataParallelTokens(group.device_group, group.cpu_group))
         self.v4.validate_parallel(tp, ep)
         return ModelParallel(ps.get_tp_group().device_group if tp > 1 else None,
                              ps.get_moe_ep_group().device_group if ep > 1 else None)
@@ -99,6 +111,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise RuntimeError("sglang_dsv4: the V4 cache was not attached to SGLang's memory pools "
                                "(is the sglang_dsv4 plugin loaded?)")
         mode = fb.forward_mode
+        dp = self.core.parallel is not None and self.core.parallel.dp is not None
+        if dp:
+            # data-parallel attention: SGLang runs an IDLE step on a rank without requests and
+            # pads a decode batch with dummy rows (request row 0) up to the largest rank's; our
+            # model runs the real rows only and joins the other ranks' MoE passes after them
+            real = int(getattr(fb, "_original_batch_size", fb.batch_size))
+            if mode.is_idle() or real == 0:
+                self.core.serve_other_ranks()
+                hidden = input_ids.new_zeros((input_ids.shape[0], self.v4.hidden_size), dtype=self.lm_head.weight.dtype)
+                return self.logits_processor(input_ids, hidden, self.lm_head, fb)
         # the scheduler's host copy of the rows when it has one (no device-to-host sync per step)
         rows_cpu = getattr(fb, "req_pool_indices_cpu", None)
         rows = (rows_cpu if rows_cpu is not None else fb.req_pool_indices).tolist()
@@ -107,10 +129,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         else:
             new_lens = [1] * len(rows)
             prefix_lens = [int(s) - 1 for s in fb.seq_lens_cpu.tolist()]
+        all_ids, padded_tokens = input_ids, input_ids.shape[0]
+        if dp and len(rows) > real:  # dummy rows of a padded decode batch
+            rows, new_lens, prefix_lens = rows[:real], new_lens[:real], prefix_lens[:real]
+            input_ids = input_ids[:sum(new_lens)]
         generations = self.req_generation
         states = [cache.bind(r, int(generations[r]), p) for r, p in zip(rows, prefix_lens)]
         pieces = list(torch.split(input_ids, new_lens))
         hidden = self._run(cache, rows, [int(generations[r]) for r in rows], states, pieces)
+        if dp:
+            self.core.serve_other_ranks()
+            if hidden.shape[0] < padded_tokens:
+                hidden = torch.cat((hidden, hidden.new_zeros(padded_tokens - hidden.shape[0], hidden.shape[1])))
+        input_ids = all_ids
         if mode.is_extend():
             cache.stats["prompt_tokens_computed"] += sum(new_lens)
         if self.metrics is not None:
@@ -151,6 +182,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         ``--cuda-graph-max-bs`` bounds the batch; our model override key ``dsv4_cuda_graph_max_bs``
         (``--dsv4-cuda-graph-max-bs``) wins over both. Default: up to the max running requests."""
         if self.core is None or self.core.device.type != "cuda":
+            return
+        if self.core.parallel is not None and self.core.parallel.dp is not None:
+            logger.info("sglang_dsv4: CUDA graphs of the decode step are off under data-parallel attention")
             return
         max_bs = getattr(self.config, CUDA_GRAPH_MAX_BS_KEY, None)
         if max_bs is None:

@@ -67,6 +67,19 @@ def register() -> None:
     request_validation.register(HookRegistry, HookType)  # bad prompts -> 400 (patches/request-validation.md)
     _register_model_class()
     _register_radix_backend()
+    _dp_padding_fill_value()
+
+
+def _dp_padding_fill_value() -> None:
+    """Data-parallel attention on the CPU: SGLang pads a rank's decode batch up to the largest
+    rank's with dummy rows whose seq_lens come from the attention backend's
+    ``get_cpu_graph_seq_len_fill_value`` (``ForwardBatch._pad_inputs_to_size``), which
+    torch_native, the SGLang-side backend of our model, lacks. Our model never reads the dummy
+    rows (it runs the real rows only), so any length does: 1, as SGLang's CUDA backends give."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    if not hasattr(TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
+        TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
 
 
 # ---- what each hook does --------------------------------------------------------------------

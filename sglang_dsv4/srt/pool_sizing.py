@@ -112,6 +112,9 @@ def make_pool_configurator(kvc):
         def __init__(self) -> None:
             self.cfg = _v4_config(kvc)
             self.rows = get_schedule().max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+            # with data-parallel attention each rank's scheduler runs its share of the requests
+            # (SGLang's KVCacheConfigurator.resolve_max_num_reqs), so it needs its share of rows
+            self.rows = max(1, self.rows // max(1, int(getattr(kvc, "attn_dp_size", 1) or 1)))
             self.snapshot_mb = getattr(kvc.model_config.hf_config, SNAPSHOT_BUDGET_KEY, None)
             self.backend = cache_backend(self.cfg, kvc.model_config.hf_config, kvc.device)
 
