@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call on 2 GPUs: the sharded core (TP=2, EP=2, TP=2+EP=2 over NCCL) against TP=1 on the
+# One device call on 2 GPUs: the sharded core (TP=2, EP=2, TP=2+EP=2 and data-parallel attention
+# DP=2+EP=2, over NCCL; DP's row counts over a gloo group) against TP=1 on the
 # tiny FlashMLA-shaped preset, decode step times, then the gpu-marked parallel test and FlashMLA's
 # kernel tests at 32 (padded), 64 and 128 heads.
 #

@@ -3,7 +3,10 @@
 Every process loads the same checkpoint, runs one fixed schedule once unsharded (TP=1, EP=1, no
 collectives) and once per parallel case (TP=N, EP=N, TP=N+EP=N, the groups being all N ranks),
 each with its own cache; it compares each case's logits with its own TP=1 logits and sends back
-the errors and a digest of the logits (equal digests: the ranks agree bit for bit). The schedule
+the errors and a digest of the logits (equal digests: the ranks agree bit for bit). The case
+DP=N+EP=N is data-parallel attention (``core.parallel.DataParallelTokens``): each rank runs the
+schedule over its own tokens (another seed per rank, so no digests to compare), the MoE over
+all ranks' tokens; its decode timing is per rank's batch (the ranks together serve N times it). The schedule
 covers a mixed-batch prefill, a chunk that completes a ratio-128 entry and wraps the window ring,
 batched decode, a snapshot restore followed by a prefill chunk, and batched decode of the original
 request beside the restored one.
@@ -33,7 +36,7 @@ import torch.multiprocessing as mp
 from .checkpoint import load_checkpoint
 from .core.cache import V4Cache
 from .core.model import V4Model
-from .core.parallel import ModelParallel, shard_model
+from .core.parallel import DataParallelTokens, ModelParallel, shard_model, shard_weights
 
 Tensor = torch.Tensor
 
@@ -72,6 +75,7 @@ class CheckOptions:
     world: int = 2
     runs: tuple[Run, ...] = ()
     cases: tuple[tuple[int, int], ...] = ((2, 1), (1, 2), (2, 2))  # (tp, ep), each 1 or world
+    dp: bool = True  # also the DP=world+EP=world case
     time_batches: tuple[int, ...] = ()
     time_backend: str = "auto"
     time_prompt: int = 256
@@ -87,7 +91,7 @@ class CaseResult:
     p99: float
     max: float
     argmax_agree: float
-    ranks_identical: bool
+    ranks_identical: bool | None  # None: the ranks ran different tokens (DP)
     ok: bool
 
 
@@ -113,13 +117,15 @@ def _ids(n: int, seed: int, vocab: int, device: torch.device) -> Tensor:
 
 def run_schedule(model: V4Model, cache: V4Cache, seed: int) -> list[Tensor]:
     """The fixed prefill / decode / snapshot-restore schedule (see module docstring) -> the logits
-    of every forward, per request, in order (on the CPU, float32)."""
+    of every forward, per request, in order (on the CPU, float32). Under data-parallel attention
+    each forward is a scheduler step: the rank then serves the other ranks' passes."""
     V, dev = model.cfg.vocab_size, model.device
     A, B, C = _ids(180, seed + 1, V, dev), _ids(90, seed + 2, V, dev), _ids(40, seed + 3, V, dev)
     out: list[Tensor] = []
 
     def step(reqs, pieces) -> None:
         out.extend(x.float().cpu() for x in model.forward(cache, reqs, pieces))
+        model.serve_other_ranks()
 
     a, b = cache.new_request(), cache.new_request()
     step([a, b], [A[:100], B[:70]])             # mixed prefill batch
@@ -153,6 +159,16 @@ def _parallel(world: int, tp: int, ep: int) -> ModelParallel:
     return ModelParallel(dist.group.WORLD if tp > 1 else None, dist.group.WORLD if ep > 1 else None)
 
 
+DP_CASE = "DP={n}+EP={n}"
+
+
+def _dp_model(base: V4Model, rank: int, world: int, cpu_group) -> V4Model:
+    """This rank's model of the DP=world+EP=world case: all heads, its share of the experts."""
+    par = ModelParallel(None, dist.group.WORLD, DataParallelTokens(dist.group.WORLD, cpu_group))
+    w = shard_weights(base.cfg, base.w, 0, 1, rank, world)
+    return V4Model(base.cfg, w, base.quant_sim, parallel=par)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -168,11 +184,13 @@ def _time_decode(model: V4Model, opts: CheckOptions, batch: int, device: torch.d
     ids = _ids(batch * (L + opts.time_steps + 8), opts.seed + 7, cfg.vocab_size, device).view(batch, -1)
     for i in range(0, batch, 16):  # prefill in groups of 16 requests, bounding the workspace
         model.forward(cache, reqs[i:i + 16], list(ids[i:i + 16, :L]))
+        model.serve_other_ranks()
     times = []
     for k in range(opts.time_steps + 3):
         _sync(device)
         t0 = time.perf_counter()
         model.forward(cache, reqs, list(ids[:, L + k:L + k + 1]))
+        model.serve_other_ranks()  # under DP: the other ranks' passes (none are left here)
         _sync(device)
         if k >= 3:  # the first steps warm up allocator and kernels
             times.append((time.perf_counter() - t0) * 1e3)
@@ -192,22 +210,29 @@ def _worker(rank: int, opts: CheckOptions, port: int, out_dir: str) -> None:
         ckpt = load_checkpoint(opts.ckpt)
         weights = {k: v.to(device) for k, v in ckpt.tensors.items()}
         cfg = ckpt.config
+        cpu_group = dist.new_group(backend="gloo") if opts.dp else None  # DP's row-count exchange
+        dp_name = DP_CASE.format(n=opts.world)
+
+        def cache_of(run: Run) -> V4Cache:
+            return V4Cache(cfg, max_requests=3, max_total_tokens=1024, page_size=16, device=device,
+                           backend=run.backend)
+
         compared = []  # the logits are [positions, vocab]: compared here, only errors go back
         for i, run in enumerate(opts.runs):
             base = V4Model(cfg, weights, quant_sim=run.quant_sim)
             ref = None
             for tp, ep in ((1, 1),) + opts.cases:
                 model = base if (tp, ep) == (1, 1) else shard_model(base, _parallel(opts.world, tp, ep))
-                cache = V4Cache(cfg, max_requests=3, max_total_tokens=1024, page_size=16, device=device,
-                                backend=run.backend)
-                logits = torch.cat(run_schedule(model, cache, opts.seed))
+                logits = torch.cat(run_schedule(model, cache_of(run), opts.seed))
                 if ref is None:
                     ref = logits
                     continue
-                err = (logits - ref).norm(dim=-1) / ref.norm(dim=-1)
-                agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-                digest = hashlib.sha256(logits.numpy().tobytes()).hexdigest()
-                compared.append((i, case_name(tp, ep), err, agree, digest))
+                compared.append((i, case_name(tp, ep), *_compare(logits, ref)))
+            if opts.dp:  # this rank's own tokens (its seed) against TP=1 over the same tokens
+                seed = opts.seed + 1000 * (rank + 1)
+                ref = torch.cat(run_schedule(base, cache_of(run), seed))
+                logits = torch.cat(run_schedule(_dp_model(base, rank, opts.world, cpu_group), cache_of(run), seed))
+                compared.append((i, dp_name, *_compare(logits, ref)[:2], None))
         step_ms: dict[str, dict[int, float]] = {}
         base = V4Model(cfg, weights)
         timed = ((1, 1),) + opts.cases if opts.time_batches else ()
@@ -215,9 +240,20 @@ def _worker(rank: int, opts: CheckOptions, port: int, out_dir: str) -> None:
             model = base if (tp, ep) == (1, 1) else shard_model(base, _parallel(opts.world, tp, ep))
             step_ms[case_name(tp, ep)] = {b: _time_decode(model, opts, b, device) for b in opts.time_batches}
             dist.barrier()
+        if opts.time_batches and opts.dp:
+            model = _dp_model(base, rank, opts.world, cpu_group)
+            step_ms[dp_name] = {b: _time_decode(model, opts, b, device) for b in opts.time_batches}
+            dist.barrier()
         torch.save({"compared": compared, "step_ms": step_ms}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _compare(logits: Tensor, ref: Tensor) -> tuple[Tensor, float, str]:
+    """(relative error per position, argmax agreement, digest of the logits)."""
+    err = (logits - ref).norm(dim=-1) / ref.norm(dim=-1)
+    agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+    return err, agree, hashlib.sha256(logits.numpy().tobytes()).hexdigest()
 
 
 # ---- the parent -------------------------------------------------------------------------------
@@ -232,14 +268,19 @@ def run_check(opts: CheckOptions) -> CheckReport:
     report = CheckReport(step_ms=per_rank[0]["step_ms"])
     for k, (i, case, err, agree, digest) in enumerate(per_rank[0]["compared"]):
         run = opts.runs[i]
-        # the residual streams are replicated, so every rank must produce the same logits
-        same = all(p["compared"][k][4] == digest for p in per_rank[1:])
+        if digest is None:  # data-parallel: each rank checked its own tokens; take them all
+            err = torch.cat([p["compared"][k][2] for p in per_rank])
+            agree = min(p["compared"][k][3] for p in per_rank)
+            same = None
+        else:
+            # the residual streams are replicated, so every rank must produce the same logits
+            same = all(p["compared"][k][4] == digest for p in per_rank[1:])
         med, p99, mx = float(err.median()), float(err.quantile(0.99)), float(err.max())
         if run.max_err is not None:
             ok = mx < run.max_err
         else:
             ok = med < run.median_err and p99 < run.p99_err and agree >= run.argmax_agree
-        report.results.append(CaseResult(run, case, med, p99, mx, agree, same, ok and same))
+        report.results.append(CaseResult(run, case, med, p99, mx, agree, same, ok and same is not False))
     return report
 
 
@@ -252,7 +293,8 @@ def format_report(report: CheckReport, opts: CheckOptions) -> str:
         bound = (f"max < {r.run.max_err:g}" if r.run.max_err is not None else
                  f"median < {r.run.median_err:g}, p99 < {r.run.p99_err:g}, argmax >= {r.run.argmax_agree:g}")
         lines.append(f"| {r.run.backend} | {r.run.quant_sim} | {r.case} | {r.median:.2e} | {r.p99:.2e} | "
-                     f"{r.max:.2e} | {r.argmax_agree:.3f} | {r.ranks_identical} | {bound} | {'yes' if r.ok else 'NO'} |")
+                     f"{r.max:.2e} | {r.argmax_agree:.3f} | {'-' if r.ranks_identical is None else r.ranks_identical} | "
+                     f"{bound} | {'yes' if r.ok else 'NO'} |")
     if report.step_ms:
         cases = list(report.step_ms)
         batches = list(next(iter(report.step_ms.values())))
@@ -264,6 +306,9 @@ def format_report(report: CheckReport, opts: CheckOptions) -> str:
             t = [report.step_ms[c][b] for c in cases]
             lines.append(f"| {b} | " + " | ".join(f"{x:.2f}" for x in t) + " | "
                          + " | ".join(f"{t[0] / x:.2f}x" for x in t[1:]) + " |")
+        if any(c.startswith("DP=") for c in cases):
+            lines += ["", "(DP: the batch is each rank's; the ranks together decode world x batch "
+                          "requests per step, so its throughput against TP=1 is world x its speed-up.)"]
     return "\n".join(lines)
 
 

@@ -25,11 +25,12 @@ from sglang_dsv4.tiny import preset_config
 
 
 def test_tp2_ep2_match_tp1_on_cpu(micro_dir):
-    """TP=2, EP=2 and TP=2+EP=2 over gloo: prefill, decode and decode after a snapshot restore
-    (CPU_RUNS: torch within 1e-5 everywhere; torch-fp8 median < 1e-4, p99 < 2e-3, argmax >= 97%)."""
+    """TP=2, EP=2, TP=2+EP=2 and data-parallel attention DP=2+EP=2 over gloo: prefill, decode and
+    decode after a snapshot restore (CPU_RUNS: torch within 1e-5 everywhere; torch-fp8 median <
+    1e-4, p99 < 2e-3, argmax >= 97%)."""
     report = run_check(CheckOptions(ckpt=str(micro_dir), device="cpu", world=2, runs=CPU_RUNS))
     assert [(r.run.backend, r.case) for r in report.results] == [
-        (b, c) for b in ("torch", "torch-fp8") for c in ("TP=2", "EP=2", "TP=2+EP=2")]
+        (b, c) for b in ("torch", "torch-fp8") for c in ("TP=2", "EP=2", "TP=2+EP=2", "DP=2+EP=2")]
     assert report.ok, format_report(report, CheckOptions(ckpt="", device="cpu"))
 
 
