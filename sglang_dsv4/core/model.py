@@ -64,8 +64,9 @@ class V4Model:
 
     ``deterministic`` (opt-in; see the module docstring) makes every position's result
     independent of the chunking and of the batch on any device, at the cost of running each
-    forward in pieces of ``DETERMINISTIC_TILE`` rows (``benchmarks/bench_decode.py --deterministic``
-    measures it). On the CPU it changes no result: the default path is invariant there already.
+    forward in pieces of ``DETERMINISTIC_TILE`` rows (``benchmarks/bench_decode.py --paths
+    graphs,graphs-det`` measures it). On the CPU it changes no result: the default path is
+    invariant there already.
     """
 
     def __init__(self, cfg: V4Config, weights: dict[str, Tensor], quant_sim: bool = True,
@@ -84,7 +85,9 @@ class V4Model:
 
     def enable_cuda_graphs(self, max_batch: int = 256) -> None:
         """Replay decode steps of up to ``max_batch`` requests from CUDA graphs (captured per batch
-        bucket and entry-table widths on first use; ``core.graphs``)."""
+        bucket and entry-table widths on first use; ``core.graphs``). In the deterministic mode
+        there is one bucket, ``DETERMINISTIC_TILE``, whatever ``max_batch`` (every decode piece is
+        padded to it)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
         if self.parallel is not None and self.parallel.dp is not None:
@@ -117,7 +120,9 @@ class V4Model:
         head is applied to ([n_i, D]); with return_streams also the final residual streams per
         request ([n_i, hc, D], the MTP block's input); with ``flat`` one tensor of all requests'
         rows in order instead of a list. Advances each request's ``num_tokens``.
-        Raises ValueError (too long) or CacheCapacityError before touching any state.
+        Raises ValueError (too long) or CacheCapacityError before touching any state; in the
+        deterministic mode a step cut into pieces commits piece by piece, so a capacity error in
+        a later piece leaves the earlier pieces done (the serving cache's pools grow on demand).
         """
         self._check_inputs(cache, reqs, ids)
         if self.deterministic:
@@ -135,8 +140,13 @@ class V4Model:
         streams: list[list[Tensor]] = [[] for _ in reqs]
         for piece in pieces:
             got = self._forward_once(cache, [reqs[i] for i, _, _ in piece], [ids[i][lo:hi] for i, lo, hi in piece],
-                                     return_streams, return_hidden, False)
-            per_req, per_streams = got if return_streams else (got, None)
+                                     return_streams, return_hidden, True)
+            # copies: a graph replay returns views of its output buffers, which the next
+            # piece's replay of the same graph overwrites
+            flat_out, flat_h = (got[0].clone(), got[1].clone()) if return_streams else (got.clone(), None)
+            lens = [hi - lo for _, lo, hi in piece]
+            per_req = torch.split(flat_out, lens)
+            per_streams = torch.split(flat_h, lens) if flat_h is not None else None
             for k, (i, _, _) in enumerate(piece):
                 outs[i].append(per_req[k])
                 if per_streams is not None:
@@ -171,9 +181,9 @@ class V4Model:
         return self._per_request(h[:n], self.head_input(h)[:n], step.real_lens, return_streams, return_hidden, flat)
 
     def _pad(self, cache: V4CacheView, step: StepBatch) -> StepBatch:
-        """Pad the step's tokens to ``DETERMINISTIC_TILE`` in the deterministic mode (a step is at
-        most one tile then), to a multiple of ``CPU_TOKEN_TILE`` on the CPU (see there); as is
-        elsewhere."""
+        """Pad the step's tokens to a multiple of ``DETERMINISTIC_TILE`` in the deterministic mode
+        (exactly one tile: ``forward`` cuts longer steps; MTP steps are not cut), to a multiple of
+        ``CPU_TOKEN_TILE`` on the CPU (see there); as is elsewhere."""
         if self.deterministic:
             tile = DETERMINISTIC_TILE
         elif self.device.type == "cpu":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..config import V4Config
+from ..quant import FP8_WEIGHT_BLOCK
 
 WEIGHTS_KEY = "dsv4_weights"  # the model override key (--json-model-override-args)
 WEIGHTS_FLAG = "--dsv4-weights"
@@ -60,11 +61,27 @@ def _experts_quantised(cfg: V4Config | None) -> bool:
     return cfg is None or cfg.expert_dtype in ("fp4", "fp8")
 
 
+def fp8_tp_problem(cfg: V4Config | None, tp_size: int) -> str | None:
+    """Why tensor parallelism over ``tp_size`` ranks cannot cut the fp8 matrices on their 128x128
+    scale blocks (None: it can). TP cuts ``wq_b``'s rows by heads and ``wo_b``'s columns by output
+    groups (``core.parallel.TensorSharder``); ``wo_a`` stays bf16."""
+    if cfg is None or tp_size <= 1:
+        return None
+    B = FP8_WEIGHT_BLOCK
+    rows = cfg.num_attention_heads // tp_size * cfg.head_dim
+    cols = cfg.o_groups // tp_size * cfg.o_lora_rank
+    if rows % B or cols % B:
+        return (f"at --tp-size {tp_size} a rank's share of wq_b ({rows} rows) or wo_b ({cols} columns) "
+                f"does not fall on {B}x{B} scale blocks")
+    return None
+
+
 def select_weight_mode(requested: str | None, device: torch.device | str,
-                       cfg: V4Config | None = None) -> tuple[str, str]:
+                       cfg: V4Config | None = None, tp_size: int = 1) -> tuple[str, str]:
     """-> (``bf16`` or ``fp8``, why, for the startup log). ``requested`` None means ``auto``.
     Raises WeightModeError for an unknown or unavailable mode, and for ``fp8`` where its kernels
-    are missing or the checkpoint's experts are bf16 (the message names the flag)."""
+    are missing, the checkpoint's experts are bf16 or ``tp_size`` cuts a matrix off its scale
+    blocks (the message names the flag); ``auto`` falls back to bf16 in those cases."""
     mode = requested or "auto"
     if mode in UNAVAILABLE_MODES:
         raise WeightModeError(f"{WEIGHTS_FLAG} {mode} ({WEIGHTS_KEY}): not available: {UNAVAILABLE_MODES[mode]}")
@@ -75,7 +92,10 @@ def select_weight_mode(requested: str | None, device: torch.device | str,
         return "bf16", f"{WEIGHTS_FLAG} bf16: matrices dequantised"
     missing = fp8_missing(device)
     experts_ok = _experts_quantised(cfg)
+    tp_problem = fp8_tp_problem(cfg, tp_size)
     if mode == "fp8":
+        if tp_problem:
+            raise WeightModeError(f"{WEIGHTS_FLAG} fp8 ({WEIGHTS_KEY}): {tp_problem}; use {WEIGHTS_FLAG} bf16")
         if missing:
             raise WeightModeError(f"{WEIGHTS_FLAG} fp8 ({WEIGHTS_KEY}): cannot run here: {missing}; "
                                   f"use {WEIGHTS_FLAG} bf16 or auto")
@@ -87,8 +107,10 @@ def select_weight_mode(requested: str | None, device: torch.device | str,
         return "bf16", f"{WEIGHTS_FLAG} auto -> bf16: fp8 unavailable ({missing})"
     if not experts_ok:
         return "bf16", f"{WEIGHTS_FLAG} auto -> bf16: the checkpoint's experts are {cfg.expert_dtype}"
+    if tp_problem:
+        return "bf16", f"{WEIGHTS_FLAG} auto -> bf16: {tp_problem}"
     return "fp8", f"{WEIGHTS_FLAG} auto -> fp8: fp8 block-128 matrices, fp4 experts converted to fp8 (Triton, SM90+)"
 
 
 __all__ = ["WEIGHTS_KEY", "WEIGHTS_FLAG", "WEIGHT_MODES", "RESOLVED_MODES", "UNAVAILABLE_MODES",
-           "WeightModeError", "fp8_missing", "select_weight_mode"]
+           "WeightModeError", "fp8_missing", "fp8_tp_problem", "select_weight_mode"]

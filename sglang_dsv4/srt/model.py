@@ -51,7 +51,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         shard = None if par is None else TensorSharder(self.v4, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size)
         # --dsv4-weights (model override dsv4_weights): auto | bf16 | fp8; a forced mode that cannot
         # run here (fp8 without CUDA SM90+ / Triton, or on a bf16-expert checkpoint) fails here
-        mode, why = select_weight_mode(getattr(self.config, WEIGHTS_KEY, None), device, self.v4)
+        mode, why = select_weight_mode(getattr(self.config, WEIGHTS_KEY, None), device, self.v4,
+                                       tp_size=1 if par is None else par.tp_size)
         logger.info("sglang_dsv4 weights: %s", why)
         # streamed: each tensor is dequantised (or kept fp8), sharded and moved as soon as its parts arrived
         tensors = logical_from_stored(self.v4, weights, weight_dtypes(matmul_dtype), device=device, shard=shard,
@@ -66,8 +67,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             # weight (~1 GB for V4) on every rank
             del tensors["head.weight"]
         # --dsv4-deterministic: every position's result independent of chunking and batch, on
-        # the GPU too (core.model), at a measured cost (benchmarks/bench_decode.py --deterministic)
-        deterministic = bool(getattr(self.config, DETERMINISTIC_KEY, False))
+        # the GPU too (core.model); its cost: benchmarks/bench_decode.py --paths graphs,graphs-det
+        deterministic = _flag(getattr(self.config, DETERMINISTIC_KEY, False), DETERMINISTIC_KEY)
         self.core = V4Model(self.v4, tensors, parallel=par, deterministic=deterministic)
         if deterministic:
             logger.info("sglang_dsv4: deterministic mode: forwards in pieces of %d rows, decode through the "
@@ -81,7 +82,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _model_parallel(self) -> ModelParallel | None:
         """Our TP / EP groups from SGLang's (--tp-size, --ep-size); None on one rank. Attention
-        splits heads over the TP group, routed experts split over the MoE-EP group."""
+        splits heads over the TP group, routed experts split over the MoE-EP group. With
+        data-parallel attention (--attn-dp-size = --tp-size = --ep-size) attention is not split
+        and the MoE-EP group carries every rank's tokens (``core.parallel.DataParallelTokens``)."""
         from sglang.srt.distributed import parallel_state as ps
         from sglang.srt.runtime_context import get_parallel
 
@@ -130,7 +133,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             new_lens = [1] * len(rows)
             prefix_lens = [int(s) - 1 for s in fb.seq_lens_cpu.tolist()]
         all_ids, padded_tokens = input_ids, input_ids.shape[0]
-        if dp and len(rows) > real:  # dummy rows of a padded decode batch
+        if dp:  # dummy rows of a padded batch (decode: dummy requests; extend: trailing tokens)
             rows, new_lens, prefix_lens = rows[:real], new_lens[:real], prefix_lens[:real]
             input_ids = input_ids[:sum(new_lens)]
         generations = self.req_generation
@@ -229,3 +232,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                     entry_bytes[4] + entry_bytes[128], entry_bytes[4], entry_bytes[128], num_slots,
                     budget, budget // per_req, per_req, budget // per_req * self.v4.sliding_window,
                     SNAPSHOT_BUDGET_KEY)
+
+
+def _flag(value, key: str) -> bool:
+    """A boolean model override (JSON true/false, or the strings "true"/"false"/"1"/"0")."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)) and str(value).strip().lower() in ("1", "true", "0", "false", ""):
+        return str(value).strip().lower() in ("1", "true")
+    raise ValueError(f"sglang_dsv4: model override {key} must be true or false, got {value!r}")

@@ -4,7 +4,7 @@ dots. On the CPU the default path is chunk-invariant already, so the mode must c
 result there: it is checked against the default path bit for bit (which exercises the piece
 cutting, padding and reassembly), and on the fp8 storage backend a decode step, which then runs
 the prefill kernel, must equal the uncut prefill of the same tokens. Its point, the GPU, is
-measured by ``benchmarks/chunk_invariance_gpu.py --deterministic``."""
+measured by ``benchmarks/chunk_invariance_gpu.py --modes default,deterministic``."""
 
 from __future__ import annotations
 
@@ -70,17 +70,19 @@ def test_deterministic_mode_changes_no_result_on_the_cpu(micro, kw):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_deterministic_decode_runs_the_prefill_kernel(micro, deterministic):
-    """On FlashMLA's fp8 layout (its torch reference kernels) a decode step of 32 requests (no
-    CPU padding) runs the decode kernel, whose work split depends on the batch on a GPU; the
-    deterministic mode sends it through the prefill kernel, and the decoded token's logits equal
-    those of the uncut prefill of the same sequence bit for bit."""
+    """On FlashMLA's fp8 layout (its torch reference kernels) a decode step of 64 requests (one
+    tile, and a multiple of the CPU's: no padding request, so a real decode step) runs the
+    decode kernel, whose work split depends on the batch on a GPU; the deterministic mode sends
+    it through the prefill kernel, and the decoded token's logits equal those of the uncut
+    prefill of the same sequence bit for bit."""
     cfg, w = micro
     model = V4Model(cfg, w, deterministic=deterministic)
-    seqs = [_ids(41 + s, s, cfg.vocab_size) for s in range(32)]
+    n = DETERMINISTIC_TILE
+    seqs = [_ids(41 + s % 7, s, cfg.vocab_size) for s in range(n)]
     calls = {"decode": 0, "prefill": 0}
 
     def fresh(n: int):
-        cache = V4Cache(cfg, max_requests=n, max_total_tokens=8192, max_seq_len=256, backend="torch-fp8")
+        cache = V4Cache(cfg, max_requests=n, max_total_tokens=16384, max_seq_len=256, backend="torch-fp8")
         kernels = cache.backend.kernels
         for name in calls:
             def counted(*a, _fn=getattr(kernels, name), _name=name, **k):
@@ -89,9 +91,9 @@ def test_deterministic_decode_runs_the_prefill_kernel(micro, deterministic):
             setattr(kernels, name, counted)
         return cache, [cache.new_request() for _ in range(n)]
 
-    cache, reqs = fresh(32)
+    cache, reqs = fresh(n)
     ref = [out[-1] for out in model.forward(cache, reqs, seqs)]
-    cache, reqs = fresh(32)
+    cache, reqs = fresh(n)
     model.forward(cache, reqs, [s[:-1] for s in seqs])
     calls.update(decode=0, prefill=0)
     got = [out[-1] for out in model.forward(cache, reqs, [s[-1:] for s in seqs])]
@@ -101,3 +103,26 @@ def test_deterministic_decode_runs_the_prefill_kernel(micro, deterministic):
         assert all(torch.equal(g, r) for g, r in zip(got, ref))
     else:
         assert calls == {"decode": layers, "prefill": 0}
+
+
+def test_pieces_keep_their_outputs_when_a_replay_reuses_its_buffers(micro, monkeypatch):
+    """A decode step replayed from a CUDA graph returns views of the graph's output buffers, which
+    the next replay of the same graph overwrites: a step cut into pieces must copy each piece's
+    outputs (stand-in here: every single-step output is copied into one reused buffer)."""
+    cfg, w = micro
+    prompts = [_ids(5 + s % 3, 200 + s, cfg.vocab_size) for s in range(DETERMINISTIC_TILE + 6)]
+    ref = _run(V4Model(cfg, w), cfg, "torch", prompts, 2, return_hidden=True, flat=True)
+    model = V4Model(cfg, w, deterministic=True)
+    real, buf = model._forward_once, {}
+
+    def reusing(cache, reqs, ids, return_streams, return_hidden, flat):
+        assert not return_streams
+        out = real(cache, reqs, ids, return_streams, return_hidden, True)
+        b = buf.setdefault(out.shape[1], torch.empty(4 * DETERMINISTIC_TILE, out.shape[1]))
+        b[:out.shape[0]] = out
+        view = b[:out.shape[0]]
+        return view if flat else list(torch.split(view, [t.numel() for t in ids]))
+
+    monkeypatch.setattr(model, "_forward_once", reusing)
+    got = _run(model, cfg, "torch", prompts, 2, return_hidden=True, flat=True)
+    assert _equal(got, ref)

@@ -139,12 +139,12 @@ def test_fp8_mode_on_a_bf16_expert_checkpoint_names_the_flag(tmp_path):
         load_checkpoint(path, weight_mode="auto")
 
 
-def _select_on_gpu(mode, cfg):
+def _select_on_gpu(mode, cfg, tp: int = 1):
     """select_weight_mode as on an H200 where the kernels import."""
     saved = weight_mode.fp8_missing
     weight_mode.fp8_missing = lambda device: None
     try:
-        return select_weight_mode(mode, "cuda", cfg)
+        return select_weight_mode(mode, "cuda", cfg, tp_size=tp)
     finally:
         weight_mode.fp8_missing = saved
 
@@ -321,3 +321,19 @@ def test_triton_kernel_interpreted():
     assert r.returncode == 0, r.stderr[-3000:]
     worst = float(r.stdout.split("WORST")[1])
     assert worst < 1e-5, worst
+
+
+def test_fp8_needs_tp_cuts_on_scale_blocks():
+    """TP cuts wq_b by heads and wo_b by output groups: where a rank's share is not a multiple of
+    128 (micro at TP 2: 160 rows), fp8 is refused by name and auto takes bf16; V4-Flash splits."""
+    micro = _micro_cfg()
+    assert weight_mode.fp8_tp_problem(micro, 1) is None
+    assert "wq_b" in weight_mode.fp8_tp_problem(micro, 2)
+    mode, why = _select_on_gpu("auto", micro, 2)
+    assert mode == "bf16" and "scale blocks" in why
+    with pytest.raises(WeightModeError, match=r"--dsv4-weights fp8 .*--tp-size 2.*scale blocks"):
+        _select_on_gpu("fp8", micro, 2)
+    flash = V4Config()
+    assert all(weight_mode.fp8_tp_problem(flash, tp) is None for tp in (1, 2, 4, 8))
+    assert _select_on_gpu("auto", flash, 8)[0] == "fp8"
+
