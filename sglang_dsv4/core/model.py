@@ -33,7 +33,7 @@ from .step import (CPU_TOKEN_TILE, DETERMINISTIC_TILE, StepBatch, V4CacheView, b
                    step_tables, tile_pieces)
 
 if TYPE_CHECKING:
-    from .parallel import ModelParallel
+    from .parallel import DataParallelTokens, ModelParallel
 
 Tensor = torch.Tensor
 
@@ -90,7 +90,7 @@ class V4Model:
         padded to it)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
-        if self.parallel is not None and self.parallel.dp is not None:
+        if self.data_parallel is not None:
             raise ValueError("CUDA graphs of the decode step are not built under data-parallel attention "
                              "(each step starts with a host exchange of the ranks' row counts)")
         from .graphs import DecodeGraphs
@@ -136,26 +136,22 @@ class V4Model:
                         flat: bool):
         """``forward`` as consecutive steps over ``pieces`` (``step.tile_pieces``): a request cut
         between pieces continues in the next one, as in a chunked prefill."""
-        outs: list[list[Tensor]] = [[] for _ in reqs]
-        streams: list[list[Tensor]] = [[] for _ in reqs]
-        for piece in pieces:
+        outs, streams = [], []
+        for piece in pieces:  # in request order, each request's tokens in order: flat rows concatenate
             got = self._forward_once(cache, [reqs[i] for i, _, _ in piece], [ids[i][lo:hi] for i, lo, hi in piece],
                                      return_streams, return_hidden, True)
+            out, h = got if return_streams else (got, None)
             # copies: a graph replay returns views of its output buffers, which the next
             # piece's replay of the same graph overwrites
-            flat_out, flat_h = (got[0].clone(), got[1].clone()) if return_streams else (got.clone(), None)
-            lens = [hi - lo for _, lo, hi in piece]
-            per_req = torch.split(flat_out, lens)
-            per_streams = torch.split(flat_h, lens) if flat_h is not None else None
-            for k, (i, _, _) in enumerate(piece):
-                outs[i].append(per_req[k])
-                if per_streams is not None:
-                    streams[i].append(per_streams[k])
-        out = [torch.cat(o) for o in outs]
-        h = [torch.cat(o) for o in streams] if return_streams else None
-        if flat:
-            out = torch.cat(out)
-            return (out, torch.cat(h)) if return_streams else out
+            outs.append(out.clone())
+            if h is not None:
+                streams.append(h.clone())
+        out = torch.cat(outs)
+        h = torch.cat(streams) if return_streams else None
+        if not flat:
+            lens = [t.numel() for t in ids]
+            out = list(torch.split(out, lens))
+            h = list(torch.split(h, lens)) if h is not None else None
         return (out, h) if return_streams else out
 
     def _forward_once(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
@@ -172,8 +168,8 @@ class V4Model:
                           self.device, with_c128=bool(self.cfg.c128_layers))
         step.tables = step_tables(cache, reqs, step)
         step = self._pad(cache, step)
-        if self.parallel is not None and self.parallel.dp is not None:
-            self.parallel.dp.exchange(step.num_tokens)  # the MoE gathers every rank's rows
+        if self.data_parallel is not None:
+            self.data_parallel.exchange(step.num_tokens)  # the MoE gathers every rank's rows
         h = self.forward_step(cache, step)
         for req, n in zip(reqs, step.real_lens):
             req.num_tokens += n
@@ -228,7 +224,7 @@ class V4Model:
         """Data-parallel attention (``parallel.DataParallelTokens``): join the other ranks' passes
         with zero rows of this rank's own until no rank has one left. Every rank calls it once per
         scheduler step, after its own forward (an idle rank instead of one); a no-op otherwise."""
-        dp = self.parallel.dp if self.parallel is not None else None
+        dp = self.data_parallel
         if dp is None:
             return
         x = torch.zeros(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -247,7 +243,7 @@ class V4Model:
         layer = cfg.num_hidden_layers
         if cfg.compress_ratios[layer]:
             raise NotImplementedError(f"an MTP layer with compress ratio {cfg.compress_ratios[layer]}")
-        if self.parallel is not None and self.parallel.dp is not None:
+        if self.data_parallel is not None:
             raise NotImplementedError("MTP under data-parallel attention")
         for req, t in zip(reqs, next_ids):
             if req.mtp_num_tokens + t.numel() > req.num_tokens:
@@ -382,6 +378,11 @@ class V4Model:
             if t.dim() != 1 or t.numel() == 0:
                 raise ValueError(f"token ids must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
             cache.check_length(req, t.numel())
+
+    @property
+    def data_parallel(self) -> DataParallelTokens | None:
+        """The data-parallel attention exchange (``parallel.DataParallelTokens``), if any."""
+        return self.parallel.dp if self.parallel is not None else None
 
     @property
     def device(self) -> torch.device:

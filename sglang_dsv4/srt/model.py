@@ -114,7 +114,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise RuntimeError("sglang_dsv4: the V4 cache was not attached to SGLang's memory pools "
                                "(is the sglang_dsv4 plugin loaded?)")
         mode = fb.forward_mode
-        dp = self.core.parallel is not None and self.core.parallel.dp is not None
+        dp = self.core.data_parallel is not None
         if dp:
             # data-parallel attention: SGLang runs an IDLE step on a rank without requests and
             # pads a decode batch with dummy rows (request row 0) up to the largest rank's; our
@@ -186,7 +186,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         (``--dsv4-cuda-graph-max-bs``) wins over both. Default: up to the max running requests."""
         if self.core is None or self.core.device.type != "cuda":
             return
-        if self.core.parallel is not None and self.core.parallel.dp is not None:
+        if self.core.data_parallel is not None:
             logger.info("sglang_dsv4: CUDA graphs of the decode step are off under data-parallel attention")
             return
         max_bs = getattr(self.config, CUDA_GRAPH_MAX_BS_KEY, None)
