@@ -71,6 +71,18 @@ def tiny(tiny_dir):
     return ckpt.config, ckpt.tensors
 
 
+@pytest.fixture(scope="session")
+def tiny_gpu(tiny):
+    """(config, tiny's weights on the GPU: bf16 matrices, float32 elsewhere) for the GPU tests."""
+    import torch
+
+    from sglang_dsv4.core.model import weight_dtypes
+
+    cfg, w = tiny
+    dtype_of = weight_dtypes(torch.bfloat16)
+    return cfg, {k: (v.to(dtype_of(k)) if v.is_floating_point() else v).to("cuda") for k, v in w.items()}
+
+
 class ServingRows:
     """The serving cache (``SglangV4Cache``) driven as SGLang drives it: request rows of a
     ``req_to_token`` table, fresh token slots handed out per position."""

@@ -12,18 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dsv4.core.model import V4Model, weight_dtypes
+from sglang_dsv4.core.model import V4Model
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 PROMPT, DECODE = 600, 12
-
-
-@pytest.fixture(scope="module")
-def tiny_gpu(tiny):
-    cfg, w = tiny
-    dtype_of = weight_dtypes(torch.bfloat16)
-    return cfg, {k: (v.to(dtype_of(k)) if v.is_floating_point() else v).to(DEV) for k, v in w.items()}
 
 
 def _seq(cfg, n: int, seed: int) -> torch.Tensor:

@@ -8,17 +8,10 @@ import pytest
 import torch
 
 from sglang_dsv4.core import ops
-from sglang_dsv4.core.model import V4Model, weight_dtypes
+from sglang_dsv4.core.model import V4Model
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-@pytest.fixture(scope="module")
-def tiny_gpu(tiny):
-    cfg, w = tiny
-    dtype_of = weight_dtypes(torch.bfloat16)
-    return cfg, {k: (v.to(dtype_of(k)) if v.is_floating_point() else v).to(DEV) for k, v in w.items()}
 
 
 def _prefill_all(model, srv, prompts):
