@@ -150,6 +150,15 @@ def step_bytes(cfg: V4Config, w: dict[str, torch.Tensor], batch: int, ctx: int) 
     return total
 
 
+def kernel_note() -> str:
+    """Which optional kernels this tree runs (so a table says what it measured)."""
+    try:
+        from sglang_dsv4.kernels import hc_split
+    except ImportError:
+        return "hyper-connection split: torch ops (a tree without kernels.hc_split)"
+    return "hyper-connection split: " + ("SGLang's Triton kernel" if hc_split.sglang_kernel() else "torch ops")
+
+
 def copy_bandwidth(device: str) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second) of 2 GiB."""
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
@@ -326,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
               "| GPU busy % | roofline ms | step / roofline | vs before | prefill s |")
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()}); {kernel_note()}", flush=True)
     print(header + "\n" + "|---" * 15 + "|", flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]

@@ -1,6 +1,6 @@
 """Where a graphed decode step's time goes, on the GPU: host phases, replay alone, kernels.
 
-    python -m benchmarks.profile_decode [--cases tiny:1:1024,flash8:64:16384] [--steps 20]
+    python -m benchmarks.profile_decode [--cases tiny:1:1024,flash8:64:16384] [--steps 20] [--weights fp8]
 
 Per case (config:batch:context, the configs of ``bench_decode``): the whole step (the GPU drained
 around it, as ``bench_decode`` times it), the graph replay alone (back to back, CUDA events), the
@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.bench_decode import NewPath, make_config, random_weights
+from benchmarks.bench_decode import NewPath, bench_weights, make_config
 from sglang_dsv4.core import graphs as graphs_mod
 from sglang_dsv4.core import model as model_mod
 
@@ -80,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="tiny:1:1024,flash8:1:16384,flash8:64:16384")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--weights", default="bf16", help="bf16 or fp8 (bench_decode's weight modes)")
     args = ap.parse_args()
     timer = PhaseTimer()
     from sglang_dsv4.srt.state import SglangV4Cache
@@ -92,7 +93,7 @@ def main() -> None:
         cname, b, ctx = case.split(":")
         b, ctx = int(b), int(ctx)
         cfg = make_config(cname, ctx + args.steps + 128)
-        w = random_weights(cfg, "cuda", torch.bfloat16)
+        w = bench_weights(cfg, "cuda", args.weights)
         path = NewPath(cfg, w, b, ctx, args.steps + 20, "cuda", graphs=True)
         t0 = time.perf_counter()
         path.prefill(2048)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
+from ..kernels import hc_split
 from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
@@ -109,12 +110,41 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freqs: Tensor, inverse: bool = 
 
 # ---- manifold-constrained hyper-connections (§5) ----------------------------------------------
 
-@on_gpu
 def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
-    """Reduce the hc streams to one input. h: [T, hc, D] -> (y [T, D], post [T, hc], comb [T, hc, hc])."""
-    hc, eps = cfg.hc_mult, cfg.hc_eps
+    """Reduce the hc streams to one input. h: [T, hc, D] -> (y [T, D], post [T, hc], comb [T, hc, hc]).
+
+    On a GPU with SGLang importable the split and Sinkhorn of the mixes are SGLang's Triton kernel
+    (one launch instead of ~40, ``kernels.hc_split``); the torch ops everywhere else."""
+    if h.is_cuda and hc_split.sglang_kernel() is not None:
+        split = hc_split.hc_split_sinkhorn(hc_mixes(h, fn, cfg), scale, base, cfg)
+        if split is not None:
+            pre, post, comb = split
+            return hc_weighted_sum(pre, h), post, comb
+    return hc_pre_torch(h, fn, base, scale, cfg)
+
+
+def _mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
     flat = h.flatten(1)
-    mixes = linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    return linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+
+@on_gpu
+def hc_mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
+    """h [T, hc, D] -> the mixes [T, (2 + hc) * hc] (RMS over all hc * D values, §5.3)."""
+    return _mixes(h, fn, cfg)
+
+
+@on_gpu
+def hc_weighted_sum(pre: Tensor, h: Tensor) -> Tensor:
+    """y = sum_i pre_i h[:, i] (not normalised to sum 1): [T, hc], [T, hc, D] -> [T, D]."""
+    return torch.einsum("th,thd->td", pre, h)
+
+
+@on_gpu
+def hc_pre_torch(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
+    """``hc_pre`` in torch ops (the CPU, and a GPU without SGLang's kernel)."""
+    hc, eps = cfg.hc_mult, cfg.hc_eps
+    mixes = _mixes(h, fn, cfg)
     pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)

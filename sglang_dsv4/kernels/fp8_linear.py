@@ -20,6 +20,7 @@ Everything is CUDA-graph capturable: launch grids and configs depend only on sha
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -156,6 +157,32 @@ def _config(M: int, N: int, block_m: int | None) -> dict[str, int]:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8, num_warps=4, num_stages=3)
 
 
+SPLIT_K_WAVES = 2   # split K until the programs fill the SMs about twice
+SPLIT_K_MIN_BLOCKS = 4  # K blocks a split program sums at least (its partial tile costs a write and a read)
+INTERPRET_SMS = 132  # the SM count assumed by the interpreter (an H200's)
+SPLIT_K_SUM_BLOCK = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRET_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k(tiles: int, k_blocks: int, sms: int) -> tuple[int, int]:
+    """(splits, K blocks per split) for a GEMM of ``tiles`` output tiles over ``k_blocks`` K
+    blocks: a decode-sized GEMM has too few tiles to keep an H200's 132 SMs streaming the weight
+    (V4-Flash's wq_a at batch 1: 16 tiles of 64 columns), so K is cut until about
+    ``SPLIT_K_WAVES`` waves of programs run, each summing at least ``SPLIT_K_MIN_BLOCKS`` blocks.
+    Depends on shapes only (CUDA graphs; the deterministic mode's fixed tiles)."""
+    want = min(math.ceil(SPLIT_K_WAVES * sms / tiles), k_blocks // SPLIT_K_MIN_BLOCKS)
+    if want <= 1:
+        return 1, k_blocks
+    per = math.ceil(k_blocks / want)
+    return math.ceil(k_blocks / per), per
+
+
 @torch.compiler.disable  # a graph break where a compiled caller (core.compiled) reaches the kernel launch
 def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, rows: Tensor | None = None,
              block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None) -> Tensor:
@@ -170,7 +197,7 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
         return fp8_gemm_reference(a_q, a_s, w, out_dtype, rows, block_expert, block_m, m)
     import triton
 
-    from .fp8_triton import fp8_block_gemm_kernel
+    from .fp8_triton import fp8_block_gemm_kernel, split_k_sum_kernel
 
     grouped = block_expert is not None
     N, K = w.q.shape[-2:]
@@ -183,13 +210,18 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
         return c
     wq = w.q if grouped else w.q.unsqueeze(0)
     ws = w.scale if grouped else w.scale.unsqueeze(0)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    splits, per = split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), _sm_count(a_q.device))
+    part = c if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=a_q.device)
     dummy = rows if rows is not None else (block_expert if grouped else c)
-    fp8_block_gemm_kernel[grid](
-        a_q, a_s, wq, ws, c, rows if rows is not None else dummy, block_expert if grouped else dummy,
-        M, N, K,
-        a_q.stride(0), a_s.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
+    fp8_block_gemm_kernel[(tiles, splits)](
+        a_q, a_s, wq, ws, part, rows if rows is not None else dummy, block_expert if grouped else dummy,
+        M, N, K, per,
+        a_q.stride(0), a_s.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), N, M * N,
         HAS_ROWS=rows is not None, GROUPED=grouped, **cfg)
+    if splits > 1:
+        split_k_sum_kernel[(triton.cdiv(M * N, SPLIT_K_SUM_BLOCK),)](part, c, M * N, SPLIT_K=splits,
+                                                                      BLOCK=SPLIT_K_SUM_BLOCK)
     return c
 
 

@@ -293,11 +293,13 @@ from sglang_dsv4.quant import quantize_fp8_blockwise
 torch.manual_seed(0)
 mk = lambda n, k: Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k) * k ** -0.5))
 worst = 0.0
-for M, N, K in [(1, 128, 128), (3, 200, 300), (20, 256, 256), (33, 64, 640)]:
+# the last three split K (fp8_linear.split_k: 4, 2 and 4 splits, a ragged last K block in the middle one)
+for M, N, K in [(1, 128, 128), (3, 200, 300), (20, 256, 256), (33, 64, 640), (2, 512, 2048), (5, 300, 1000),
+                (17, 256, 2048)]:
     w, x = mk(N, K), torch.randn(M, K)
     a, b = fp8_linear(x, w), fp8_linear_reference(x, w)
     worst = max(worst, ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item())
-E, D, I, T, k = 6, 256, 160, 19, 3
+E, D, I, T, k = 6, 1024, 160, 19, 3  # D = 8 K blocks: the first GEMM splits K in 2
 stack, _ = stack_fp8_experts([mk(I, D) for _ in range(E)], [mk(I, D) for _ in range(E)], [mk(D, I) for _ in range(E)])
 x = torch.randn(T, D)
 chosen = torch.stack([torch.randperm(8)[:k] for _ in range(T)])

@@ -1,0 +1,61 @@
+"""The hyper-connection split and Sinkhorn on the GPU through SGLang's Triton kernel.
+
+``ops.hc_pre`` turns each token's 24 mixes into pre / post weights and a 4x4 Sinkhorn-normalised
+comb matrix (v4_architecture.md §5.3). Written as torch ops, the 39 normalisations are one
+Inductor kernel each (~80 launches per layer and step, a quarter of a decode step's kernels at
+V4-Flash dimensions); SGLang 0.5.23 ships the whole split as one Triton program per token
+(``sglang.kernels.ops.layernorm.mhc._hc_split_sinkhorn_triton``, the port of DeepSeek's
+``hc_split_sinkhorn`` kernel, the same math in the same order). Where SGLang is importable (the
+server) ``hc_split_sinkhorn`` launches it; elsewhere (the standalone core, a CPU) it returns None
+and ``ops.hc_pre`` keeps its torch path. Its public wrapper ``hc_split_sinkhorn`` is not called:
+on Hopper it takes a TileLang kernel, which the serving image does not have.
+
+Importing SGLang's module loads ``sglang.srt`` (a few seconds, once); under ``TRITON_INTERPRET=1``
+the kernel also runs on CPU tensors (the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from ..config import V4Config
+
+logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def sglang_kernel() -> Callable | None:
+    """SGLang's Triton split + Sinkhorn launcher, or None (with the reason logged once) where
+    SGLang or Triton does not import."""
+    try:
+        from sglang.kernels.ops.layernorm.mhc import _hc_split_sinkhorn_triton
+    except Exception as e:  # ImportError; or sglang.srt failing to initialise without its runtime
+        logger.info("hyper-connection Sinkhorn: the torch path (SGLang's Triton kernel does not import: %s: %s)",
+                    type(e).__name__, e)
+        return None
+    logger.info("hyper-connection Sinkhorn: SGLang's Triton kernel (_hc_split_sinkhorn_triton)")
+    return _hc_split_sinkhorn_triton
+
+
+@torch.compiler.disable  # a kernel launch, not something to trace
+def hc_split_sinkhorn(mixes: Tensor, scale: Tensor, base: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor] | None:
+    """mixes [T, (2 + hc) * hc] (float32) -> (pre [T, hc], post [T, hc], comb [T, hc, hc]) from
+    SGLang's kernel; None where it cannot run here (a CPU tensor outside the interpreter, no
+    SGLang, no tokens: its grid would be empty)."""
+    if mixes.shape[0] == 0 or mixes.dtype != torch.float32 or not (mixes.is_cuda or INTERPRET):
+        return None
+    kernel = sglang_kernel()
+    if kernel is None:
+        return None
+    pre, post, comb = kernel(mixes.unsqueeze(0), scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    return pre[0], post[0], comb[0]
+
+
+__all__ = ["hc_split_sinkhorn", "sglang_kernel"]
