@@ -26,6 +26,7 @@ import torch
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch
 from ..kernels.fp8_linear import Fp8Weight
+from ..kernels.kv_layout import RowLayout
 from . import ops
 from .cache import RequestState
 from .slot_state import C4_STATE_ROWS
@@ -49,6 +50,37 @@ def weight_dtypes(matmul_dtype: torch.dtype, dtype: torch.dtype = torch.float32)
         matmul = parts[-1] == "weight" and "norm" not in parts[-2] and parts[-2] != "gate"
         return matmul_dtype if matmul else dtype
     return dtype_of
+
+
+def _c4_window_rows(step: StepBatch, layers: int) -> tuple[Tensor, Tensor]:
+    """``V4Model._c4_entries``' addressing, the same in every C4 layer and kind: (per token the
+    8 rows its window pools [T, 8], in the concatenation [slot states' rows (B * 8); the chunk's
+    rows (T); a padding row], and where its row goes in the flat state of layer 0 (add
+    c4 * 8 for layer c4: the request's slot for its last 8 positions, the scratch slot's else)."""
+    R, B, T = C4_STATE_ROWS, step.num_reqs, step.num_tokens
+    pos, b = step.positions, step.tok_req
+    qpos = pos[:, None] - (R - 1) + torch.arange(R, device=pos.device)
+    start = step.starts[b][:, None]
+    idx = torch.where(qpos >= start, B * R + step.row0[b][:, None] + qpos - start,
+                      torch.where(qpos >= 0, b[:, None] * R + qpos % R, B * R + T))
+    keep = pos >= step.ends[b] - R
+    return idx, torch.where(keep, step.slots[b], step.scratch_slot) * layers * R + pos % R
+
+
+def _token_columns(step: StepBatch) -> Tensor:
+    """[T] each token's column in its request's row of ``StepBatch.token_grid``."""
+    return torch.arange(step.num_tokens, device=step.tok_req.device) - step.row0[step.tok_req]
+
+
+def _c128_rows(step: StepBatch, scratch_row: int, width: int, visible: Tensor,
+               layout: RowLayout) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """The C128 layers' addressing, the same in each: (where each segment's entry goes, located
+    in ``layout``'s pages: its pool row, the scratch row where it completes no group; per token
+    its visible entries 0..v-1, -1 padded to the table's ``width``)."""
+    seg = step.c128
+    dst = torch.where(seg.completes, step.tables.write_rows[128][seg.last_tok], scratch_row)
+    j = torch.arange(width, device=visible.device)
+    return layout.locate(dst), torch.where(j[None, :] < visible[:, None], j[None, :], -1)
 
 
 class V4Model:
@@ -284,23 +316,22 @@ class V4Model:
         if ratio:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
             a, s = ops.compressor_projections(x, w, "attn.compressor", pos, ratio)
-            visible = (pos + 1) // ratio
+            visible = step.derived(("visible", ratio), lambda: (pos + 1) // ratio)
             if ratio == 4:
                 c4 = cache.c4_index[layer]
                 new = self._c4_entries(cache, step, c4, "main", a, s, w, "attn.compressor", freqs, False)
-                pool.write(f"main{layer}", step.tables.write_rows[4], new)
+                pool.write(f"main{layer}", self._write_rows(step, pool, f"main{layer}", 4), new)
                 ia, is_ = ops.compressor_projections(x, w, "attn.indexer.compressor", pos, 4)
                 keys = self._c4_entries(cache, step, c4, "index", ia, is_, w, "attn.indexer.compressor", freqs, True)
-                pool.write(f"index{layer}", step.tables.write_rows[4], keys)
+                pool.write(f"index{layer}", self._write_rows(step, pool, f"index{layer}", 4), keys)
                 qi, hw = ops.indexer_queries(x, qr, w, pos, freqs, cfg, qs)
                 comp_idx = self._select(pool, f"index{layer}", table, step, qi, hw, visible)
             else:
                 new = self._c128_entries(cache, step, cache.c128_index[layer], a, s, w, freqs)
-                seg = step.c128
-                dst = torch.where(seg.completes, step.tables.write_rows[128][seg.last_tok], pool.scratch_row)
+                dst, comp_idx = step.derived(("c128_entries", table.shape[1], pool.layouts[f"main{layer}"].page_size),
+                                             lambda: _c128_rows(step, pool.scratch_row, table.shape[1], visible,
+                                                                pool.layouts[f"main{layer}"]))
                 pool.write(f"main{layer}", dst, new)
-                j = torch.arange(table.shape[1], device=pos.device)
-                comp_idx = torch.where(j[None, :] < visible[:, None], j[None, :], -1)
             entries, entry_layout = pool.tensors[f"main{layer}"], pool.layouts[f"main{layer}"]
         backend = self._backend(cache)
         o = backend.attend(AttnBatch(
@@ -311,6 +342,14 @@ class V4Model:
         out = ops.attention_output(o, w, pos, freqs, cfg)
         return self.parallel.reduce_attention(out) if self.parallel else out
 
+    @staticmethod
+    def _write_rows(step: StepBatch, pool, name: str, ratio: int):
+        """The step's new ratio-``ratio`` entry rows located in ``name``'s pages, once per step
+        (every C4 layer writes the same rows to each of its tensors)."""
+        layout = pool.layouts[name]
+        return step.derived(("write_rows", ratio, layout.page_size),
+                            lambda: layout.locate(step.tables.write_rows[ratio]))
+
     # ---- compressors (batched over the step's requests) -------------------------------------
     def _c4_entries(self, cache: V4CacheView, step: StepBatch, c4: int, kind: str, a: Tensor, s: Tensor,
                     w: dict[str, Tensor], prefix: str, freqs: Tensor, is_indexer: bool) -> Tensor:
@@ -318,21 +357,16 @@ class V4Model:
         -> [T, d] (meaningful where p completes a group; the others go to the scratch row). Then
         the chunk's last 8 rows of each request become its state (rows at p % 8)."""
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"], cache.slot_state[f"c4_{kind}_s"]
-        R, (B, T, d2) = C4_STATE_ROWS, (step.num_reqs, step.num_tokens, a.shape[1])
-        pos, b = step.positions, step.tok_req
+        R, (B, d2), L = C4_STATE_ROWS, (step.num_reqs, a.shape[1]), st_a.shape[1]
         # rows before the chunk come from the slot's state, rows inside it from the chunk
         src_a = torch.cat((st_a[step.slots, c4].reshape(B * R, d2), a, a.new_zeros(1, d2)))
         src_s = torch.cat((st_s[step.slots, c4].reshape(B * R, d2), s, s.new_full((1, d2), float("-inf"))))
-        qpos = pos[:, None] - (R - 1) + torch.arange(R, device=pos.device)
-        start = step.starts[b][:, None]
-        idx = torch.where(qpos >= start, B * R + step.row0[b][:, None] + qpos - start,
-                          torch.where(qpos >= 0, b[:, None] * R + qpos % R, B * R + T))
+        idx, dst = step.derived(("c4_windows", L), lambda: _c4_window_rows(step, L))
         pooled = ops.pool_c4_windows(src_a[idx], src_s[idx])
-        keep = pos >= step.ends[b] - R
-        dst = torch.where(keep, step.slots[b], step.scratch_slot) * st_a.shape[1] * R + c4 * R + pos % R
+        dst = dst + c4 * R
         st_a.view(-1, d2)[dst] = a
         st_s.view(-1, d2)[dst] = s
-        return ops.finish_entries(pooled, w, prefix, pos - 3, freqs, self.cfg, is_indexer, self.quant_sim)
+        return ops.finish_entries(pooled, w, prefix, step.positions - 3, freqs, self.cfg, is_indexer, self.quant_sim)
 
     def _c128_entries(self, cache: V4CacheView, step: StepBatch, c128: int, a: Tensor, s: Tensor,
                       w: dict[str, Tensor], freqs: Tensor) -> Tensor:
@@ -353,16 +387,17 @@ class V4Model:
                 visible: Tensor) -> Tensor:
         """Indexer top-k per token among its request's visible entries -> entry indices [T, k]."""
         B, N = table.shape
-        keys = pool.read(name, table.clamp_min(0).flatten()).view(B, N, -1).to(qi.dtype)
-        grid = step.token_grid().clamp_min(0)        # [B, L]: padding rows compute garbage
+        rows, grid, col = step.derived(("indexer", N, pool.layouts[name].page_size),
+                                       lambda: (pool.layouts[name].locate(table.clamp_min(0).flatten()),
+                                                step.token_grid().clamp_min(0), _token_columns(step)))
+        keys = pool.read(name, rows).view(B, N, -1).to(qi.dtype)  # grid [B, L]: padding rows compute garbage
         L = grid.shape[1]
         scores = torch.empty(B, L, N, dtype=qi.dtype, device=qi.device)
         for l0 in range(0, L, self.SCORE_BLOCK):     # bounds the [B, block, Hi, N] products
             gb = grid[:, l0:l0 + self.SCORE_BLOCK]
             scores[:, l0:l0 + self.SCORE_BLOCK] = ops.batched_indexer_scores(qi[gb], hw[gb], keys,
                                                                              exact=self.deterministic)
-        b = step.tok_req
-        scores = scores[b, torch.arange(step.num_tokens, device=b.device) - step.row0[b]]
+        scores = scores[step.tok_req, col]
         return ops.select_topk(scores, visible, self.cfg.index_topk)
 
     SCORE_BLOCK = 256

@@ -14,8 +14,8 @@ both implement it, and the same ``V4Model`` code runs over either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -149,6 +149,9 @@ class C128Segments:
     width: int  # max positions of a segment (<= 128): the length of the sequential pooling loop
 
 
+_T = TypeVar("_T")
+
+
 @dataclass
 class StepBatch:
     """A step's requests as device tensors (T tokens, B requests) plus the host lengths."""
@@ -167,6 +170,17 @@ class StepBatch:
     c128: C128Segments | None = None
     tables: StepTables | None = None
     num_real: int | None = None  # the caller's requests, before any padding ones (None: no padding)
+    # index tensors derived from the ones above, shared by every layer of the step (``derived``)
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key: tuple, make: Callable[[], _T]) -> _T:
+        """``make()``, computed on the first call with ``key`` in this step and reused by the later
+        layers: the window, ring and compressor indices depend on the step's positions and slots
+        only, and each costs a few small kernels per layer otherwise. (A fresh step per forward
+        and per graph capture: nothing outlives the step.)"""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     @property
     def num_tokens(self) -> int:

@@ -70,23 +70,35 @@ class AttnBatch:
 
         Token t at position p sees positions p-W+1..p: those before its request's chunk from the
         slot's ring (row q % W), the others from the chunk itself."""
-        W, st = self.window, self.step
-        B, b = st.num_reqs, st.tok_req
-        dev = self.kv.device
-        ring_rows = self.ring_layout.read(self.ring, (st.slots[:, None] * W + torch.arange(W, device=dev)).flatten())
-        chunk = self.ring_layout.round(self.kv)
-        qpos = self.positions[:, None] - (W - 1) + torch.arange(W, device=dev)
-        start = st.starts[b][:, None]
-        idx = torch.where(qpos >= start, B * W + st.row0[b][:, None] + qpos - start, b[:, None] * W + qpos % W)
-        return ring_rows, chunk, torch.where(qpos >= 0, idx, -1)
+        st = self.step
+        read_at, idx = st.derived(("window_sources", self.window), lambda: _window_indices(st, self.window))
+        ring_rows = self.ring_layout.read(self.ring, read_at)
+        return ring_rows, self.ring_layout.round(self.kv), idx
 
     def write_ring(self) -> None:
         """Store each request's last (up to W) new rows at ring row p % W of its slot (the other
         tokens' rows go to the scratch slot's page)."""
-        W, st = self.window, self.step
-        pos, b = self.positions, st.tok_req
-        slot = torch.where(pos >= st.ends[b] - W, st.slots[b], st.scratch_slot)
-        self.ring_layout.write(self.ring, slot * W + pos % W, self.kv)
+        st = self.step
+        self.ring_layout.write(self.ring, st.derived(("ring_writes", self.window), lambda: _ring_writes(st, self.window)),
+                               self.kv)
+
+
+def _window_indices(st: StepBatch, W: int) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """``AttnBatch.window_sources``' addressing, the same in every layer: (the ring rows to read,
+    every row of each request's slot, as (page, offset); window indices [T, W])."""
+    B, b, dev = st.num_reqs, st.tok_req, st.positions.device
+    read_at = (st.slots[:, None].expand(B, W).flatten(), torch.arange(W, device=dev).repeat(B))
+    qpos = st.positions[:, None] - (W - 1) + torch.arange(W, device=dev)
+    start = st.starts[b][:, None]
+    idx = torch.where(qpos >= start, B * W + st.row0[b][:, None] + qpos - start, b[:, None] * W + qpos % W)
+    return read_at, torch.where(qpos >= 0, idx, -1)
+
+
+def _ring_writes(st: StepBatch, W: int) -> tuple[Tensor, Tensor]:
+    """``AttnBatch.write_ring``'s (page = slot, offset = p % W) of each token: the request's slot
+    for its last W positions, the scratch slot for the others."""
+    pos, b = st.positions, st.tok_req
+    return torch.where(pos >= st.ends[b] - W, st.slots[b], st.scratch_slot), pos % W
 
 
 class AttentionBackend(ABC):

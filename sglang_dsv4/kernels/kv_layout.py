@@ -56,7 +56,8 @@ class RowLayout(ABC):
 
     @abstractmethod
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
-        """Store x [n, dim] at storage rows ``rows`` [n] of the page buffer ``buf``."""
+        """Store x [n, dim] at storage rows ``rows`` [n] of the page buffer ``buf`` (or at a
+        (page, offset) pair of [n] tensors, see ``locate``)."""
 
     @abstractmethod
     def read(self, buf: Tensor, rows: Tensor) -> Tensor:
@@ -80,7 +81,12 @@ class RowLayout(ABC):
         """Bytes per row, page padding amortised."""
         return self.page_bytes / self.page_size
 
-    def _page_offset(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+    def locate(self, rows: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Storage rows [n] -> (page, offset in page); a (page, offset) pair passes through: a
+        caller that addresses the same rows in every layer (a ring's slot and p % W) computes
+        them once."""
+        if isinstance(rows, tuple):
+            return rows
         rows = rows.long()
         return rows // self.page_size, rows % self.page_size
 
@@ -98,8 +104,10 @@ class FloatRows(RowLayout):
         # flat rows: a row is one tensor row, which keeps pool accounting per row simple
         return torch.zeros(num_pages * self.page_size, self.dim, dtype=self.dtype, device=device)
 
-    def _index(self, buf: Tensor, rows: Tensor) -> tuple[Tensor, ...]:
-        return (rows,) if buf.dim() == 2 else self._page_offset(rows)
+    def _index(self, buf: Tensor, rows: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
+        if buf.dim() == 2:  # flat rows
+            return (rows[0] * self.page_size + rows[1],) if isinstance(rows, tuple) else (rows,)
+        return self.locate(rows)
 
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
         buf[self._index(buf, rows)] = x.to(buf.dtype)
@@ -182,13 +190,13 @@ class V4Fp8Rows(RowLayout):
         return buf[..., base:base + P * self.scale_bytes].unflatten(-1, (P, self.scale_bytes))
 
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
-        page, off = self._page_offset(rows)
+        page, off = self.locate(rows)
         data, scales = self.pack(x)
         self._data(buf)[page, off] = data       # views of buf: the writes land in buf
         self._scales(buf)[page, off] = scales
 
     def read(self, buf: Tensor, rows: Tensor) -> Tensor:
-        page, off = self._page_offset(rows)
+        page, off = self.locate(rows)
         return self.unpack(self._data(buf)[page, off], self._scales(buf)[page, off])
 
     def pack_pages(self, x: Tensor) -> Tensor:
@@ -248,13 +256,13 @@ class IndexFp8Rows(RowLayout):
         return buf[..., base:base + 4 * self.page_size].unflatten(-1, (self.page_size, 4))
 
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
-        page, off = self._page_offset(rows)
+        page, off = self.locate(rows)
         data, scales = self.pack(x)
         self._data(buf)[page, off] = data
         self._scales(buf)[page, off] = scales
 
     def read(self, buf: Tensor, rows: Tensor) -> Tensor:
-        page, off = self._page_offset(rows)
+        page, off = self.locate(rows)
         return self.unpack(self._data(buf)[page, off], self._scales(buf)[page, off])
 
     def copy_head(self, buf: Tensor, src_page: int, dst_page: int, n: int) -> None:

@@ -49,6 +49,17 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _decode_window(pos: Tensor, slots: Tensor, W: int):
+    """A decode step's ring addressing, the same in every layer: (where the new rows go, as
+    (page = slot, offset = p % W), window indices [T, 1, W] int32, their lengths [T] int32).
+    Token t at position p sees ring rows of positions p-W+1..p, the valid ones first (the
+    lengths apply), -1 after them."""
+    lo = (pos - W + 1).clamp_min(0)
+    key_pos = lo[:, None] + torch.arange(W, device=pos.device)
+    idx = torch.where(key_pos <= pos[:, None], slots[:, None] * W + key_pos % W, -1)
+    return (slots, pos % W), idx.to(torch.int32).unsqueeze(1).contiguous(), (pos - lo + 1).to(torch.int32)
+
+
 class SparseMLABackend(AttentionBackend):
     """V4 fp8 storage + FlashMLA's sparse decode / prefill (or their torch reference).
 
@@ -82,12 +93,9 @@ class SparseMLABackend(AttentionBackend):
     def _decode(self, b: AttnBatch) -> Tensor:
         """One token per request (token t is request t): the ring is written first, then read as
         the main cache (positions p-W+1..p, leftmost valid) and the entries as the extra cache."""
-        W, dev, st = b.window, b.q.device, b.step
-        pos, slots = b.positions, st.slots
-        b.ring_layout.write(b.ring, slots * W + pos % W, b.kv)
-        lo = (pos - W + 1).clamp_min(0)
-        key_pos = lo[:, None] + torch.arange(W, device=dev)  # valid ones first: lengths apply
-        idx = torch.where(key_pos <= pos[:, None], slots[:, None] * W + key_pos % W, -1)
+        W, st = b.window, b.step
+        ring_rows, idx, lengths = st.derived(("decode_window", W), lambda: _decode_window(b.positions, st.slots, W))
+        b.ring_layout.write(b.ring, ring_rows, b.kv)
         extra: dict[str, Any] = {}
         crow = b.comp_rows()  # valid rows leftmost (top-k order, or entries ascending)
         if crow is not None:
@@ -95,9 +103,8 @@ class SparseMLABackend(AttentionBackend):
             extra = dict(extra_cache=b.entries, extra_layout=b.entry_layout,
                          extra_indices=crow.to(torch.int32).unsqueeze(1).contiguous(),
                          extra_lengths=(crow >= 0).sum(-1).to(torch.int32))
-        out = self.kernels.decode(b.q.to(self.dtype).unsqueeze(1), b.ring, b.ring_layout,
-                                  idx.to(torch.int32).unsqueeze(1).contiguous(),
-                                  (pos - lo + 1).to(torch.int32), b.sink.float().contiguous(), b.scale, **extra)
+        out = self.kernels.decode(b.q.to(self.dtype).unsqueeze(1), b.ring, b.ring_layout, idx, lengths,
+                                  b.sink.float().contiguous(), b.scale, **extra)
         return out[:, 0].to(b.q.dtype)
 
     # ---- prefill ---------------------------------------------------------------------------------
