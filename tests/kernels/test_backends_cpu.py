@@ -109,9 +109,19 @@ def test_sparse_mla_backend_matches_oracle(micro, chunks, page_size):
     assert_matches_oracle(got, ref)
 
 
-def test_sparse_mla_backend_batches_decode_and_mixed_steps(micro):
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["cpu-padded", "decode-kernel"])
+def test_sparse_mla_backend_batches_decode_and_mixed_steps(micro, decode_kernel, monkeypatch):
     """Decode batches of requests at different positions (some without compressed entries yet),
-    and mixed prefill + decode batches."""
+    and mixed prefill + decode batches. The CPU pads every step to a row tile, so its decode
+    steps take the prefill kernel; ``decode-kernel`` leaves decode steps unpadded, as on a GPU, so
+    they go through ``SparseMLABackend._decode`` (the ring read as the main cache, the entries as
+    the extra cache: FlashMLA's decode call) with the torch reference of the kernel."""
+    if decode_kernel:
+        pad = V4Model._pad
+        monkeypatch.setattr(V4Model, "_pad", lambda self, cache, step: step if step.is_decode else pad(self, cache, step))
+        calls = []
+        decode = SparseMLABackend._decode
+        monkeypatch.setattr(SparseMLABackend, "_decode", lambda self, b: calls.append(1) or decode(self, b))
     cfg, w = micro
     seqs = [random_ids(n, 200 + n, cfg.vocab_size) for n in (140, 7, 133, 60)]
     refs = [OracleModel(cfg, w).forward(s) for s in seqs]
@@ -131,6 +141,8 @@ def test_sparse_mla_backend_batches_decode_and_mixed_steps(micro):
         step += 1
     for out, ref in zip(outs, refs):
         assert_matches_oracle(torch.cat(out), ref)
+    if decode_kernel:
+        assert calls, "no step went through the decode kernel path"
 
 
 def test_sparse_mla_backend_snapshot_restore_and_copy_on_write(micro):
