@@ -98,10 +98,13 @@ def main() -> int:
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g)
         others = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (37, 130, 260, 515, 70, 5, 300)]
+        print(f"(running {name} / {mode} / reference: uncut, alone)", flush=True)
         ref = run(model, cfg, prompt, [], args.steps, [])
         cases = {"cut [1, rest]": ([1], []), f"cut at {args.prompt // 2}": ([args.prompt // 2], []),
                  "decode in a batch of 8": ([], others)}
         for case, (cuts, batch_with) in cases.items():
+            # named first: a device-side assert ends the process before the row is printed
+            print(f"(running {name} / {mode} / {case})", flush=True)
             got = run(model, cfg, prompt, cuts, args.steps, batch_with)
             p_eq, p_max, p_med = compare(got[0], ref[0])
             d_eq, d_max, _ = compare(got[1], ref[1])
