@@ -1,0 +1,22 @@
+"""``benchmarks/count_step_ops.py`` runs (in its own process: it switches the CPU padding off)
+and counts the GPU step's unfused ops, not the fused regions' insides."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_counts_the_unfused_ops_of_a_decode_step():
+    r = subprocess.run([sys.executable, "-m", "benchmarks.count_step_ops", "--config", "micro", "--batch", "2",
+                        "--context", "100"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    total = int(re.search(r"(\d+) ops outside the fused regions", r.stdout).group(1))
+    sites = dict((s, int(n)) for n, s in re.findall(r"^\| (\d+) \| (\S+) \|$", r.stdout, re.M))
+    assert total > 0 and sum(sites.values()) <= total
+    assert "kernels/sparse_mla.py:_decode" in sites  # the GPU's decode call path ran
+    assert not any(s.endswith((":rms_norm", ":hc_mixes", ":project_q")) for s in sites)  # fused on a GPU
