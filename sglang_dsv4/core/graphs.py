@@ -62,8 +62,9 @@ class DecodeGraphs:
 
     def run(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor]
             ) -> tuple[Tensor, Tensor] | None:
-        """(final streams [B, hc, D], normed hidden [B, D]) of a decode step of ``reqs`` (one new
-        token each) by graph replay; None when the step is no decode step or has no bucket."""
+        """(final streams [b, hc, D], normed hidden [b, D]) of a decode step of ``reqs`` (one new
+        token each) by graph replay, for the whole bucket b >= B (rows B.. are padding); None
+        when the step is no decode step or has no bucket."""
         B = len(reqs)
         b = self.bucket(B)
         if b is None or any(t.numel() != 1 for t in ids):
@@ -85,7 +86,7 @@ class DecodeGraphs:
         flat_ids = ids[0] if B == 1 else torch.cat(list(ids))
         g.ids[:B].copy_(flat_ids.to(g.ids.device, non_blocking=True))
         g.graph.replay()
-        return g.streams[:B], g.hidden[:B]
+        return g.streams, g.hidden
 
     def _drop_stale(self, b: int, widths: tuple[int, ...], cache_id: int) -> None:
         for k in [k for k in self.graphs if k[0] == b and k[1] == widths and k[3] == cache_id]:

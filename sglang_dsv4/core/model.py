@@ -205,8 +205,8 @@ class V4Model:
         h = self.forward_step(cache, step)
         for req, n in zip(reqs, step.real_lens):
             req.num_tokens += n
-        n = sum(step.real_lens)  # the head runs over the padded rows too (CPU: no row in a loop tail)
-        return self._per_request(h[:n], self.head_input(h)[:n], step.real_lens, return_streams, return_hidden, flat)
+        # the head's input norm runs over the padded rows too (CPU: no row in a loop tail)
+        return self._per_request(h, self.head_input(h), step.real_lens, return_streams, return_hidden, flat)
 
     def _pad(self, cache: V4CacheView, step: StepBatch) -> StepBatch:
         """Pad the step's tokens to a multiple of ``DETERMINISTIC_TILE`` in the deterministic mode
@@ -236,8 +236,17 @@ class V4Model:
 
     def _per_request(self, h: Tensor, hidden: Tensor, lens: list[int], return_streams: bool,
                      return_hidden: bool, flat: bool):
-        """The caller's outputs from the real rows' streams and head input (see ``forward``)."""
-        out = hidden if return_hidden else self.logits(hidden)
+        """The caller's outputs from the streams and head input of a step's rows (see ``forward``):
+        the real rows first (``sum(lens)``), then any padding rows, which are dropped. The
+        deterministic mode runs the head GEMM over the padded rows too, so that its row count is
+        the tile's whatever the real rows (a GPU GEMM's result for a row depends on the row
+        count: cuBLAS picks its kernel by it)."""
+        n = sum(lens)
+        h = h[:n]
+        if return_hidden:
+            out = hidden[:n]
+        else:
+            out = self.logits(hidden if self.deterministic else hidden[:n])[:n]
         if flat:
             return (out, h) if return_streams else out
         per_req = list(torch.split(out, lens))
@@ -290,8 +299,7 @@ class V4Model:
         h = self._block(h, w, layer, 0, step, cache, hash_routed=False)
         for req, n in zip(reqs, step.real_lens):
             req.mtp_num_tokens += n
-        n = sum(step.real_lens)
-        return self._per_request(h[:n], self.head_input(h, w)[:n], step.real_lens, False, False, False)
+        return self._per_request(h, self.head_input(h, w), step.real_lens, False, False, False)
 
     # ---- blocks ----------------------------------------------------------------------------
     def _block(self, h: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,

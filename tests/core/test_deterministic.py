@@ -126,3 +126,22 @@ def test_pieces_keep_their_outputs_when_a_replay_reuses_its_buffers(micro, monke
     monkeypatch.setattr(model, "_forward_once", reusing)
     got = _run(model, cfg, "torch", prompts, 2, return_hidden=True, flat=True)
     assert _equal(got, ref)
+
+
+def test_the_head_gemm_always_sees_the_whole_tile(micro, monkeypatch):
+    """A GPU GEMM's result for a row depends on the row count (cuBLAS picks its kernel by it), so
+    the deterministic mode runs the head over every row of the padded tile, for a prefill's
+    short last piece and a decode step of one request alike; the default mode over the real rows."""
+    cfg, w = micro
+    rows: list[int] = []
+    logits = V4Model.logits
+    monkeypatch.setattr(V4Model, "logits", lambda self, hidden: rows.append(hidden.shape[0]) or logits(self, hidden))
+    for det, want in ((True, [DETERMINISTIC_TILE] * 3), (False, [70, 1])):
+        rows.clear()
+        model = V4Model(cfg, w, deterministic=det)
+        cache = V4Cache(cfg, max_requests=1, max_total_tokens=1024, max_seq_len=512)
+        req = cache.new_request()
+        out = model.forward(cache, [req], [_ids(70, 3, cfg.vocab_size)])[0]  # det: pieces of 64 and 6
+        out2 = model.forward(cache, [req], [out[-1].argmax().view(1)])[0]
+        assert out.shape[0] == 70 and out2.shape[0] == 1
+        assert rows == want, (det, rows)
