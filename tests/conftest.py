@@ -111,3 +111,23 @@ class ServingRows:
 def serving_rows():
     """The ``ServingRows`` class (the GPU tests build one per scenario)."""
     return ServingRows
+
+
+@pytest.fixture(scope="session")
+def triton_interpreted():
+    """Runs a script under ``TRITON_INTERPRET=1`` (Triton kernels on CPU tensors) in its own
+    process (triton reads the variable at import) -> the float it prints after "WORST"."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+
+    def run(code: str) -> float:
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return float(r.stdout.split("WORST")[1])
+
+    return run

@@ -5,10 +5,6 @@ references, and the Triton kernel itself under TRITON_INTERPRET=1 (issue 12)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +27,6 @@ from sglang_dsv4.launch_server import build_command, dsv4_arguments
 from sglang_dsv4.quant import (dequantize_fp4_packed, dequantize_fp8_blockwise, fp4_to_fp8_blockwise, fp8_qat,
                                quantize_fp4_packed, quantize_fp8_blockwise)
 from sglang_dsv4.tiny import PRESETS, random_weights
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -317,11 +311,8 @@ print("WORST", worst)
 """
 
 
-def test_triton_kernel_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    worst = float(r.stdout.split("WORST")[1])
+def test_triton_kernel_interpreted(triton_interpreted):
+    worst = triton_interpreted(_INTERPRETED)
     assert worst < 1e-5, worst
 
 
