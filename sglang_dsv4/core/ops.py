@@ -115,12 +115,10 @@ def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) ->
 
     On a GPU with SGLang importable the split and Sinkhorn of the mixes are SGLang's Triton kernel
     (one launch instead of ~40, ``kernels.hc_split``); the torch ops everywhere else."""
-    if h.is_cuda and hc_split.sglang_kernel() is not None:
-        split = hc_split.hc_split_sinkhorn(hc_mixes(h, fn, cfg), scale, base, cfg)
-        if split is not None:
-            pre, post, comb = split
-            return hc_weighted_sum(pre, h), post, comb
-    return hc_pre_torch(h, fn, base, scale, cfg)
+    mixes = hc_mixes(h, fn, cfg)
+    split = hc_split.hc_split_sinkhorn(mixes, scale, base, cfg) if h.is_cuda else None
+    pre, post, comb = split if split is not None else hc_split_torch(mixes, base, scale, cfg)
+    return hc_weighted_sum(pre, h), post, comb
 
 
 def _mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
@@ -141,24 +139,25 @@ def hc_weighted_sum(pre: Tensor, h: Tensor) -> Tensor:
 
 
 @on_gpu
-def hc_pre_torch(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
-    """``hc_pre`` in torch ops (the CPU, and a GPU without SGLang's kernel)."""
+def hc_split_torch(mixes: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
+    """The mixes [T, (2 + hc) * hc] -> (pre [T, hc], post [T, hc], comb [T, hc, hc]) in torch ops
+    (the CPU, and a GPU without SGLang's kernel)."""
     hc, eps = cfg.hc_mult, cfg.hc_eps
-    mixes = _mixes(h, fn, cfg)
     pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
     comb = sinkhorn(torch.softmax(comb, dim=-1) + eps, cfg.hc_sinkhorn_iters, eps)
-    y = torch.einsum("th,thd->td", pre, h)
-    return y, post, comb
+    return pre, post, comb
 
 
 def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     """Alternate column / row normalisation of [T, hc, hc] (a column first, ``iters`` columns).
 
     On a GPU the sums over the tiny hc axis are written as explicit adds of its slices: then the
-    whole loop is elementwise and ``torch.compile`` fuses it into one kernel instead of two per
-    iteration (the same adds in the same order: torch's hc-long sums, to rounding)."""
+    loop is elementwise and ``torch.compile`` makes each normalisation one kernel instead of two
+    (the same adds in the same order: torch's hc-long sums, to rounding). Inductor still
+    materialises every normalisation (39 kernels per call, measured): where SGLang imports,
+    ``hc_pre`` takes its one-kernel split instead."""
     def col_sum(c: Tensor) -> Tensor:
         if not c.is_cuda:
             return c.sum(-2, keepdim=True)
@@ -187,8 +186,7 @@ def hc_post(f: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
 @on_gpu
 def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> Tensor:
     """Final stream merge before the output norm (§5.6). h: [T, hc, D] -> [T, D]."""
-    flat = h.flatten(1)
-    mixes = linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    mixes = _mixes(h, fn, cfg)
     pre = torch.sigmoid(mixes * scale[0] + base) + cfg.hc_eps
     return torch.einsum("th,thd->td", pre, h)
 

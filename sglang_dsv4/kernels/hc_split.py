@@ -7,7 +7,7 @@ V4-Flash dimensions); SGLang 0.5.23 ships the whole split as one Triton program 
 (``sglang.kernels.ops.layernorm.mhc._hc_split_sinkhorn_triton``, the port of DeepSeek's
 ``hc_split_sinkhorn`` kernel, the same math in the same order). Where SGLang is importable (the
 server) ``hc_split_sinkhorn`` launches it; elsewhere (the standalone core, a CPU) it returns None
-and ``ops.hc_pre`` keeps its torch path. Its public wrapper ``hc_split_sinkhorn`` is not called:
+and ``ops.hc_pre`` keeps its torch ops (``ops.hc_split_torch``). Its public wrapper ``hc_split_sinkhorn`` is not called:
 on Hopper it takes a TileLang kernel, which the serving image does not have.
 
 Importing SGLang's module loads ``sglang.srt`` (a few seconds, once); under ``TRITON_INTERPRET=1``
@@ -27,7 +27,7 @@ from ..config import V4Config
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton at import, as in fp8_linear
 
 
 @functools.lru_cache(maxsize=None)
