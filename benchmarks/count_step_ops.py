@@ -81,11 +81,10 @@ class OpCensus(TorchDispatchMode):
 
 def gpu_code_path() -> None:
     """Switch off the CPU-only padding, so that the CPU runs the GPU's step shapes."""
-    def gpu_width(needed: int, max_entries: int, device) -> int:
-        width = step_mod.MIN_ENTRY_WIDTH
-        while width < needed:
-            width *= 2
-        return min(width, max(max_entries, step_mod.MIN_ENTRY_WIDTH))
+    cpu_width = step_mod.entry_width
+
+    def gpu_width(needed: int, max_entries: int, device) -> int:  # the GPU's entry-table widths
+        return cpu_width(needed, max_entries, torch.device("cuda"))
 
     step_mod.entry_width = state_mod.entry_width = gpu_width
     V4Model._pad = lambda self, cache, step: step
