@@ -237,16 +237,10 @@ class V4Model:
     def _per_request(self, h: Tensor, hidden: Tensor, lens: list[int], return_streams: bool,
                      return_hidden: bool, flat: bool):
         """The caller's outputs from the streams and head input of a step's rows (see ``forward``):
-        the real rows first (``sum(lens)``), then any padding rows, which are dropped. The
-        deterministic mode runs the head GEMM over the padded rows too, so that its row count is
-        the tile's whatever the real rows (a GPU GEMM's result for a row depends on the row
-        count: cuBLAS picks its kernel by it)."""
+        the real rows first (``sum(lens)``), then any padding rows, which are dropped."""
         n = sum(lens)
         h = h[:n]
-        if return_hidden:
-            out = hidden[:n]
-        else:
-            out = self.logits(hidden if self.deterministic else hidden[:n])[:n]
+        out = hidden[:n] if return_hidden else self.logits(hidden[:n])
         if flat:
             return (out, h) if return_streams else out
         per_req = list(torch.split(out, lens))
@@ -259,6 +253,16 @@ class V4Model:
         if head is None:  # the SGLang model class keeps the head in its vocab-parallel lm_head
             raise RuntimeError("this model holds no head.weight (the server's lm_head computes the logits): "
                                "call forward(..., return_hidden=True)")
+        return self.head_logits(hidden, head)
+
+    def head_logits(self, hidden: Tensor, head: Tensor) -> Tensor:
+        """The head GEMM: hidden [n, D] @ head.T (a vocab-parallel rank passes its rows). The
+        deterministic mode runs it over blocks of exactly ``DETERMINISTIC_TILE`` rows: a GPU
+        GEMM's result for a row depends on the row count (cuBLAS picks its kernel by it), and
+        V4-Flash's 4096-wide head takes split-K kernels at small counts. The server's head is
+        this too (``srt.model.CoreHeadMethod``)."""
+        if self.deterministic:
+            return ops.tiled_linear(hidden, head, DETERMINISTIC_TILE)
         return ops.linear(hidden, head)
 
     def serve_other_ranks(self) -> None:

@@ -55,6 +55,18 @@ def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
     return y[:n] if y.shape[0] != n else y
 
 
+def tiled_linear(x: Tensor, w: Tensor | Fp8Weight, tile: int) -> Tensor:
+    """``linear`` over blocks of exactly ``tile`` rows, the last one zero-padded: every GEMM has
+    the same shape whatever the row count, so a row's result does not depend on the rows that
+    come with it even where the GEMM kernel is chosen by row count (cuBLAS, split-K)."""
+    n = x.shape[0]
+    if n == 0:
+        return linear(x, w)
+    if n % tile:
+        x = torch.cat((x, x.new_zeros((-n % tile,) + tuple(x.shape[1:]))))
+    return torch.cat([linear(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])[:n]
+
+
 @on_gpu
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -26,6 +26,26 @@ from .state import SglangV4Cache
 logger = logging.getLogger(__name__)
 
 
+class CoreHeadMethod:
+    """The head GEMM of SGLang's LogitsProcessor, as the core computes it.
+
+    SGLang calls ``lm_head.quant_method.apply(lm_head, hidden, bias)`` for the logits when the
+    method is not one of its plain ones (``logits_processor.should_apply_lm_head_quant_method``),
+    which it otherwise computes with one matmul over the batch's rows: a row's logits then
+    depend on how many rows the batch has. This runs ``V4Model.head_logits`` on the rank's head
+    rows instead, so the server's logits are the core's (patches/deterministic-head.md)."""
+
+    def __init__(self, core: V4Model):
+        self.core = core
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """SGLang's loader calls this on every module's method: the head is loaded as it is."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.core.head_logits(x, layer.weight)
+        return y if bias is None else y + bias
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     """SGLang model class for V4 checkpoints, backed by the two-segment cache."""
 
@@ -72,7 +92,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.core = V4Model(self.v4, tensors, parallel=par, deterministic=deterministic)
         if deterministic:
             logger.info("sglang_dsv4: deterministic mode: forwards in pieces of %d rows, decode through the "
-                        "prefill kernel, exact indexer dots", DETERMINISTIC_TILE)
+                        "prefill kernel, exact indexer dots, head GEMMs over %d-row tiles",
+                        DETERMINISTIC_TILE, DETERMINISTIC_TILE)
+        if deterministic or device.type == "cpu":
+            # the core's head GEMM where it differs from SGLang's plain matmul over the batch's
+            # rows: row tiles on the CPU (ops.CPU_ROW_TILE), fixed-size tiles in the deterministic mode
+            self.lm_head.quant_method = CoreHeadMethod(self.core)
         logger.info("sglang_dsv4: loaded %d V4 tensors (%s layers, ratios %s; matrices %s, activations "
                     "float32) on %s%s", len(tensors), self.v4.num_hidden_layers, list(self.v4.layer_ratios),
                     "fp8 block-128 (wo_a, embedding, head and bf16-stored ones %s)" % matmul_dtype

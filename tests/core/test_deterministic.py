@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_dsv4.core import ops
 from sglang_dsv4.core.cache import V4Cache
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.step import DETERMINISTIC_TILE, tile_pieces
@@ -130,12 +131,18 @@ def test_pieces_keep_their_outputs_when_a_replay_reuses_its_buffers(micro, monke
 
 def test_the_head_gemm_always_sees_the_whole_tile(micro, monkeypatch):
     """A GPU GEMM's result for a row depends on the row count (cuBLAS picks its kernel by it), so
-    the deterministic mode runs the head over every row of the padded tile, for a prefill's
+    the deterministic mode runs every head GEMM over exactly one tile of rows, for a prefill's
     short last piece and a decode step of one request alike; the default mode over the real rows."""
     cfg, w = micro
     rows: list[int] = []
-    logits = V4Model.logits
-    monkeypatch.setattr(V4Model, "logits", lambda self, hidden: rows.append(hidden.shape[0]) or logits(self, hidden))
+    linear = ops.linear
+
+    def spy(x, weight):
+        if weight is w["head.weight"]:
+            rows.append(x.shape[0])
+        return linear(x, weight)
+
+    monkeypatch.setattr(ops, "linear", spy)
     for det, want in ((True, [DETERMINISTIC_TILE] * 3), (False, [70, 1])):
         rows.clear()
         model = V4Model(cfg, w, deterministic=det)
@@ -145,3 +152,15 @@ def test_the_head_gemm_always_sees_the_whole_tile(micro, monkeypatch):
         out2 = model.forward(cache, [req], [out[-1].argmax().view(1)])[0]
         assert out.shape[0] == 70 and out2.shape[0] == 1
         assert rows == want, (det, rows)
+
+
+def test_tiled_linear_gives_every_row_alone_its_result_over_one_tile():
+    """Any row count: GEMMs of exactly one tile each, rows equal to the row computed alone."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g)
+    for n in (0, 1, 7, 8, 9, 21):
+        x = torch.randn(n, 24, generator=g)
+        got = ops.tiled_linear(x, w, 8)
+        assert got.shape == (n, 40)
+        for i in range(n):
+            assert torch.equal(got[i], ops.tiled_linear(x[i:i + 1], w, 8)[0])

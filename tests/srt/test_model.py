@@ -1,0 +1,44 @@
+"""The SGLang model class's head GEMM (``srt.model.CoreHeadMethod``): SGLang's own logits code
+reaches the core's head, in the deterministic mode over whole tiles."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from sglang_dsv4.core import ops
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.core.step import DETERMINISTIC_TILE
+from sglang_dsv4.srt.model import CoreHeadMethod
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_sglangs_logits_code_runs_the_core_head(micro, monkeypatch, deterministic):
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    cfg, w = micro
+    core = V4Model(cfg, w, deterministic=deterministic)
+    lm_head = nn.Module()
+    lm_head.weight = nn.Parameter(w["head.weight"], requires_grad=False)
+    lm_head.quant_method = CoreHeadMethod(core)
+    lm_head.quant_method.process_weights_after_loading(lm_head)  # SGLang's loader calls it
+    rows: list[int] = []
+    linear = ops.linear
+
+    def spy(x, weight):
+        if weight is lm_head.weight:
+            rows.append(x.shape[0])
+        return linear(x, weight)
+
+    monkeypatch.setattr(ops, "linear", spy)
+    hidden = torch.randn(70, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    # the head step of SGLang's LogitsProcessor, with the attributes that step reads
+    logits = LogitsProcessor._compute_lm_head(SimpleNamespace(use_fp32_lm_head=False), hidden, lm_head)
+    assert rows == ([DETERMINISTIC_TILE] * 2 if deterministic else [70])
+    assert torch.equal(logits, core.head_logits(hidden, lm_head.weight))
+    # a row's logits do not depend on the rows with it (here on the CPU in both modes)
+    alone = LogitsProcessor._compute_lm_head(SimpleNamespace(use_fp32_lm_head=False), hidden[5:6], lm_head)
+    assert torch.equal(alone[0], logits[5])
