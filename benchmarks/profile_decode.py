@@ -43,7 +43,7 @@ class PhaseTimer:
 
 
 def replay_ms(path, n: int = 50) -> float:
-    g = next(iter(path.model.graphs.graphs.values()))
+    g = next(iter(path.model.graphs.graphs[path.cache].values()))
     for _ in range(3):
         g.graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

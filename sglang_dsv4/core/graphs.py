@@ -18,6 +18,7 @@ Capture runs a warm-up step on an all-scratch input first (so no request's state
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -52,7 +53,9 @@ class DecodeGraphs:
     def __init__(self, model: V4Model, max_batch: int = 256, buckets: tuple[int, ...] = DEFAULT_BUCKETS):
         self.model, self.max_batch = model, max_batch
         self.buckets = tuple(b for b in buckets if b <= max_batch) or (max_batch,)
-        self.graphs: dict[tuple, _Graph] = {}
+        # per cache object, weakly: a cache's graphs go with it, and a later cache that Python
+        # gives the same id() (and the allocator the same addresses) never replays them
+        self.graphs: weakref.WeakKeyDictionary[V4CacheView, dict[tuple, _Graph]] = weakref.WeakKeyDictionary()
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: list[tuple[int, tuple[int, ...]]] = []
         self._aranges: dict[int, Tensor] = {}
@@ -73,12 +76,13 @@ class DecodeGraphs:
         plan = cache.plan_tables(reqs, starts, [1] * B, torch.tensor(starts))
         ratios = sorted(plan.widths)
         widths = tuple(plan.widths[r] for r in ratios)
-        storage = tuple(t.data_ptr() for p in cache.pools.values() for t in p.tensors.values())
-        key = (b, widths, storage, id(cache))
-        g = self.graphs.get(key)
+        key = (b, widths, _storage(cache))
+        graphs = self.graphs.setdefault(cache, {})
+        g = graphs.get(key)
         if g is None:
-            self._drop_stale(b, widths, id(cache))
-            g = self.graphs[key] = self._capture(cache, b, plan.widths, plan.entries is not None)
+            for k in [k for k in graphs if k[:2] == key[:2]]:
+                del graphs[k]  # its pools were reallocated
+            g = graphs[key] = self._capture(cache, b, plan.widths, plan.entries is not None)
             self.captured.append((b, widths))
             logger.info("sglang_dsv4: captured the decode step for batch %d (entry widths %s)", b, widths)
         host = decode_inputs(cache, reqs, starts, plan, b)
@@ -87,10 +91,6 @@ class DecodeGraphs:
         g.ids[:B].copy_(flat_ids.to(g.ids.device, non_blocking=True))
         g.graph.replay()
         return g.streams, g.hidden
-
-    def _drop_stale(self, b: int, widths: tuple[int, ...], cache_id: int) -> None:
-        for k in [k for k in self.graphs if k[0] == b and k[1] == widths and k[3] == cache_id]:
-            del self.graphs[k]  # its pools were reallocated
 
     def _arange(self, b: int, device: torch.device) -> Tensor:
         if b not in self._aranges:
@@ -131,6 +131,14 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             streams, hidden = body()
         return _Graph(graph, ids, inputs, streams, hidden)
+
+
+def _storage(cache: V4CacheView) -> tuple[int, ...]:
+    """The addresses of the cache's reallocatable tensors a captured step reads: its pools'
+    (which grow by whole pages) and the request-to-token table (which SGLang or a harness sets)."""
+    ptrs = [t.data_ptr() for p in cache.pools.values() for t in p.tensors.values()]
+    req_to_token = getattr(cache, "req_to_token", None)
+    return tuple(ptrs + ([req_to_token.data_ptr()] if req_to_token is not None else []))
 
 
 def decode_inputs(cache: V4CacheView, reqs: Sequence[RequestState], starts: list[int], plan: TablePlan,

@@ -149,3 +149,31 @@ def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu, serving_rows):
             assert model.graphs.captured and model.graphs.captured[0][0] == 8
         srv.cache.check_integrity()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_one_model_over_caches_made_one_after_another_replays_each_caches_own_graphs(tiny_gpu, serving_rows):
+    """A model with graphs serving a cache, then (that cache gone) a new one of the same shape,
+    which Python may give the old one's id() and the allocator its addresses: the new cache's
+    steps equal the eager ones bit for bit, and the old cache's graphs went with it."""
+    import gc
+
+    cfg, w = tiny_gpu
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (40, 130)]
+    tails = torch.randint(0, cfg.vocab_size, (2, 4), generator=g).to(DEV)
+    eager, graphed = V4Model(cfg, w), V4Model(cfg, w)
+    graphed.enable_cuda_graphs(max_batch=4)
+
+    def run(model, rows_len):
+        srv = serving_rows(cfg, 3, max_len=rows_len)
+        states = _prefill_all(model, srv, prompts)
+        out = torch.stack([torch.cat(_decode(model, srv, range(2), states, tails[:, t])) for t in range(4)])
+        srv.cache.check_integrity()
+        return out
+
+    for rows_len in (1024, 1024, 512):
+        want = run(eager, rows_len)
+        got = run(graphed, rows_len)
+        gc.collect()
+        assert torch.equal(got, want), rows_len
+        assert len(graphed.graphs.graphs) == 0  # the caches of the finished runs took their graphs along
