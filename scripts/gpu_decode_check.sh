@@ -4,7 +4,8 @@
 #
 #   git archive 521fd56 sglang_dsv4 | tar -x -C .bench-old && mv .bench-old/sglang_dsv4 .bench-old/sglang_dsv4_old
 #   mkdir -p .bench-prev && git archive COMMIT sglang_dsv4 | tar -x -C .bench-prev   # optional
-#   run(command="bash scripts/gpu_decode_check.sh", carry=[".whl", ".bench-old", ".srt-site", ".bench-prev"])
+#   run(command="bash scripts/gpu_decode_check.sh", carry=[".whl", ".bench-old", ".srt-site", ".bench-prev", ".inductor-cache"])
+#   mkdir -p .inductor-cache && cp FILES_AT/inductor-cache.tar.xz .inductor-cache/   # after a call: the next starts warm
 #
 # .whl holds the sgl_flash_mla wheel (see gpu_check.sh). .srt-site (scripts/build_srt_site.sh), when
 # carried, puts SGLang on the path as in the server, so the tests and the benchmark run the SGLang
@@ -27,6 +28,29 @@ if [ -f .srt-site/site.tar.xz ]; then
   PATHS=/tmp/site:/tmp/srt-site
 fi
 export PYTHONPATH=$PATHS:$PWD PYTHONUNBUFFERED=1
+# Inductor's and Triton's compile caches: a cold process compiles the fused ops for a minute or
+# two per config (92 s for flash8's first 16K prefill), most of a call. The caches go back in
+# $OUT/inductor-cache.tar.xz; copied to .inductor-cache/ here and carried, the next call starts warm.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
+if [ -f .inductor-cache/inductor-cache.tar.xz ]; then
+  python3 -c "import tarfile; tarfile.open('.inductor-cache/inductor-cache.tar.xz').extractall('/tmp', filter='data')" \
+    && echo "compile caches: warm ($(du -sh /tmp/inductor-cache | cut -f1))"
+fi
+save_caches() {
+  python3 - "$OUT" <<'PY'
+import os, sys, tarfile
+out = os.path.join(sys.argv[1], "inductor-cache.tar.xz")
+if not os.path.isdir("/tmp/inductor-cache"):
+    sys.exit(0)
+with tarfile.open(out, "w:xz", preset=1) as t:  # fast: the caches are mostly text
+    t.add("/tmp/inductor-cache", arcname="inductor-cache")
+size = os.path.getsize(out)
+if size > 15 * 2**20:  # what $OUT can hand back per file
+    os.remove(out)
+print(f"compile caches: {size / 2**20:.1f} MiB compressed" + (" (too large to return)" if size > 15 * 2**20 else ""))
+PY
+}
+trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
 timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider ${TESTS:-tests/core/test_step_gpu.py tests/core/test_deterministic_gpu.py tests/srt/test_state_gpu.py tests/kernels/test_flashmla_gpu.py tests/kernels/test_fp8_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
