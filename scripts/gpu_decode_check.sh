@@ -15,6 +15,7 @@
 # (bench_decode's `old` rows). BENCH_ARGS go to bench_decode, e.g.
 #   BENCH_ARGS='--configs flash8,flash43 --batches 1,16,64,256 --contexts 1024,16384,65536 --weights bf16,fp8'
 #   BENCH_ARGS='--configs flash8 --batches 1,64 --contexts 16384 --paths graphs,graphs-det --weights fp8'
+#   GENERIC_TOO=1 (then the same benchmark with SGLANG_DSV4_COMPILE=generic, core/compiled.py)
 # (the deterministic mode's cost; benchmarks/chunk_invariance_gpu.py shows what it buys)
 # (the first steps of a process compile the fused ops: allow a minute or two per config).
 set -uo pipefail
@@ -64,5 +65,13 @@ old=()
 [ -d .bench-old/sglang_dsv4_old ] && old=(--old-root .bench-old)
 echo "--- this tree"
 timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|captured\|Error"
+if [ -n "${GENERIC_TOO:-}" ]; then
+  # the opt-in shape-generic compilation (core/compiled.py), its own process and compile cache: cold
+  # compile time (prefill s) and decode speed beside the default's above
+  echo "--- this tree, SGLANG_DSV4_COMPILE=generic"
+  SGLANG_DSV4_COMPILE=generic TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generic TRITON_CACHE_DIR=/tmp/inductor-generic/triton \
+    timeout ${GENERIC_TIMEOUT:-300} python3 -m benchmarks.bench_decode --out "$OUT/decode_generic.md" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_generic.log" | grep "^|\|captured\|Error"
+fi
 echo "--- GPU tests exit status $rc"
 exit "$rc"

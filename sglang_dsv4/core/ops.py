@@ -67,7 +67,7 @@ def tiled_linear(x: Tensor, w: Tensor | Fp8Weight, tile: int) -> Tensor:
     return torch.cat([linear(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])[:n]
 
 
-@on_gpu
+@on_gpu(rows={"x": (0,)})
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * weight if weight is not None else y
@@ -138,19 +138,19 @@ def _mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
     return linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
 
 
-@on_gpu
+@on_gpu(rows={"h": (0,)})
 def hc_mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
     """h [T, hc, D] -> the mixes [T, (2 + hc) * hc] (RMS over all hc * D values, §5.3)."""
     return _mixes(h, fn, cfg)
 
 
-@on_gpu
+@on_gpu(rows={"pre": (0,), "h": (0,)})
 def hc_weighted_sum(pre: Tensor, h: Tensor) -> Tensor:
     """y = sum_i pre_i h[:, i] (not normalised to sum 1): [T, hc], [T, hc, D] -> [T, D]."""
     return torch.einsum("th,thd->td", pre, h)
 
 
-@on_gpu
+@on_gpu(rows={"mixes": (0,)})
 def hc_split_torch(mixes: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
     """The mixes [T, (2 + hc) * hc] -> (pre [T, hc], post [T, hc], comb [T, hc, hc]) in torch ops
     (the CPU, and a GPU without SGLang's kernel)."""
@@ -189,13 +189,13 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     return comb
 
 
-@on_gpu
+@on_gpu(rows={"f": (0,), "h": (0,), "post": (0,), "comb": (0,)})
 def hc_post(f: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Expand a sublayer output back to the streams: h'[k] = post_k f + sum_j comb[j, k] h[j]."""
     return post.unsqueeze(-1) * f.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, h)
 
 
-@on_gpu
+@on_gpu(rows={"h": (0,)})
 def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> Tensor:
     """Final stream merge before the output norm (§5.6). h: [T, hc, D] -> [T, D]."""
     mixes = _mixes(h, fn, cfg)
@@ -205,7 +205,7 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
 
 # ---- attention projections (§2.2-§2.5) ------------------------------------------------------
 
-@on_gpu
+@on_gpu(rows={"x": (0,), "positions": (0,)})
 def project_q(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
               cfg: V4Config) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer)."""
@@ -215,7 +215,7 @@ def project_q(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Ten
     return apply_rope(q, positions, inv_freqs), qr
 
 
-@on_gpu
+@on_gpu(rows={"x": (0,), "positions": (0,)})
 def project_kv(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
                cfg: V4Config, quant_sim: bool) -> Tensor:
     """x: [T, D] -> window KV [T, Dh] (one shared head; K = V)."""
@@ -229,7 +229,7 @@ def _fp8_nope(kv: Tensor, cfg: V4Config) -> Tensor:
     return torch.cat((fp8_qat(kv[..., :nope], 64), kv[..., nope:]), dim=-1)
 
 
-@on_gpu
+@on_gpu(rows={"o": (0,), "positions": (0,)})
 def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
                      cfg: V4Config) -> Tensor:
     """o: [T, H, Dh] -> [T, D]: inverse RoPE by the query position, grouped wo_a, then wo_b."""
@@ -279,7 +279,7 @@ def window_indices(positions: Tensor, window: int, first_pos: int) -> Tensor:
 
 # ---- compressor (§3) -----------------------------------------------------------------------
 
-@on_gpu
+@on_gpu(rows={"x": (0,), "positions": (0,)})
 def compressor_projections(x: Tensor, w: dict[str, Tensor], prefix: str, positions: Tensor,
                            ratio: int) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (a [T, coff*d], s [T, coff*d]); s includes ape[p mod r]."""
@@ -299,7 +299,7 @@ def pool_c4(a: Tensor, s: Tensor) -> Tensor:
     return pool_c4_windows(torch.cat((a[:-1], a[1:]), dim=1), torch.cat((s[:-1], s[1:]), dim=1))
 
 
-@on_gpu
+@on_gpu(rows={"a": (0,), "s": (0,)})
 def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
     """The entry each 8-row window completes: a, s [N, 8, 2d] = rows of groups j-1 and j -> [N, d].
 
@@ -333,7 +333,7 @@ def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width:
     return torch.stack((m, total, acc), dim=1)
 
 
-@on_gpu
+@on_gpu(rows={"pooled": (0,), "first_positions": (0,)})
 def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_positions: Tensor,
                    inv_freqs: Tensor, cfg: V4Config, is_indexer: bool, quant_sim: bool) -> Tensor:
     """Pooled [N, d] -> compressed entries: norm, RoPE at the group's first token, then FP8 (main)
@@ -348,7 +348,7 @@ def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_posi
 
 # ---- lightning indexer (§4) ----------------------------------------------------------------
 
-@on_gpu
+@on_gpu(rows={"x": (0,), "qr": (0,), "positions": (0,)})
 def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], positions: Tensor,
                     inv_freqs: Tensor, cfg: V4Config, quant_sim: bool) -> tuple[Tensor, Tensor]:
     """-> (qI [T, Hi, Di] rotated, Hadamard'ed, FP4; head weights [T, Hi])."""
@@ -366,7 +366,7 @@ def indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
     return torch.einsum("th,thn->tn", head_weights, F.relu(torch.einsum("thd,nd->thn", qi, keys)))
 
 
-@on_gpu
+@on_gpu(rows={"qi": (0, 1), "head_weights": (0, 1), "keys": (0,)}, widths={"keys": (1,)})
 def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor, exact: bool = False) -> Tensor:
     """Per request: qi [B, L, Hi, Di], head weights [B, L, Hi], its keys [B, N, Di] -> [B, L, N].
 
@@ -384,7 +384,7 @@ def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor, exact
     return (head_weights.unsqueeze(-1) * F.relu(dots)).sum(2)
 
 
-@on_gpu
+@on_gpu(rows={"scores": (0,), "num_visible": (0,)}, widths={"scores": (1,)})
 def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
     """Top-min(k, visible) entries per row among j < num_visible[t]; -1 pads. -> [T, k].
 
@@ -426,7 +426,7 @@ def routed_experts(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Co
     return grouped_experts(x, chosen, gates, w, cfg, local)
 
 
-@on_gpu
+@on_gpu(rows={"x": (0,), "bias_or_chosen": (-2,)})
 def route_tokens(x: Tensor, gate: Tensor, bias_or_chosen: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor]:
     """-> (chosen experts [T, k], gate weights [T, k]): sqrt-softplus scores; top-k of scores +
     bias, or (hash-routed layers: an integer ``bias_or_chosen``) the token's fixed experts."""
@@ -542,7 +542,7 @@ def _sorted_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
     return out
 
 
-@on_gpu
+@on_gpu(rows={"x": (0,)})
 def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config) -> Tensor:
     """The shared expert's output, [T, D] (V4 has one; callers check ``n_shared_experts``)."""
     p = "ffn.shared_experts"
