@@ -33,7 +33,7 @@ class CoreHeadMethod:
     method is not one of its plain ones (``logits_processor.should_apply_lm_head_quant_method``),
     which it otherwise computes with one matmul over the batch's rows: a row's logits then
     depend on how many rows the batch has. This runs ``V4Model.head_logits`` on the rank's head
-    rows instead, so the server's logits are the core's (patches/deterministic-head.md)."""
+    rows instead, so the server's logits are the core's (patches/core-head.md)."""
 
     def __init__(self, core: V4Model):
         self.core = core
