@@ -30,7 +30,7 @@ import functools
 import inspect
 import logging
 import os
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -86,7 +86,7 @@ def on_gpu(fn: F | None = None, *, rows: Dims | None = None, widths: Dims | None
     return dispatch
 
 
-def mark_dims(args: tuple, kwargs: dict, marks: list[tuple[int, str, int, bool]]) -> None:
+def mark_dims(args: tuple, kwargs: dict, marks: Sequence[tuple[int, str, int, bool]]) -> None:
     """Mark the declared dims of a call's tensor arguments (``on_gpu``'s generic mode)."""
     for i, name, d, unbacked in marks:
         t = args[i] if i < len(args) else kwargs.get(name)

@@ -32,12 +32,15 @@ Tensor = torch.Tensor
 CPU_ROW_TILE = 8
 
 
+def _zero_pad_rows(x: Tensor, tile: int) -> Tensor:
+    """x with zero rows appended (dim 0) up to a multiple of ``tile``."""
+    extra = -x.shape[0] % tile
+    return torch.cat((x, x.new_zeros((extra,) + tuple(x.shape[1:])))) if extra else x
+
+
 def pad_rows(x: Tensor, tile: int = CPU_ROW_TILE) -> Tensor:
     """x with zero rows appended (dim 0) up to a multiple of ``tile`` on the CPU; as is elsewhere."""
-    extra = -x.shape[0] % tile
-    if x.device.type != "cpu" or not extra:
-        return x
-    return torch.cat((x, x.new_zeros((extra,) + tuple(x.shape[1:]))))
+    return _zero_pad_rows(x, tile) if x.device.type == "cpu" else x
 
 
 def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
@@ -62,8 +65,7 @@ def tiled_linear(x: Tensor, w: Tensor | Fp8Weight, tile: int) -> Tensor:
     n = x.shape[0]
     if n == 0:
         return linear(x, w)
-    if n % tile:
-        x = torch.cat((x, x.new_zeros((-n % tile,) + tuple(x.shape[1:]))))
+    x = _zero_pad_rows(x, tile)
     return torch.cat([linear(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])[:n]
 
 
