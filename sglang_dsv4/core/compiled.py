@@ -18,9 +18,10 @@ before flash8's first 16K prefill on an H200).
 ``SGLANG_DSV4_COMPILE=generic`` (opt-in, to be measured against the default on the GPU) marks the
 dims each function declares (``on_gpu(rows=..., widths=...)``) before the call: the token /
 request / length dims as unbacked (no specialisation, size 1 included), the entry widths as
-dynamic. Each function then compiles once per genuinely different graph: on the CPU's Inductor,
-with flash8's layer layout at micro widths, 22 compiles in 40 s against 66 in 126 s, the same
-greedy tokens, logits within 4e-8 (other kernels). Whether the shape-generic kernels decode as
+dynamic. Each function then compiles once per genuinely different graph (``tests/core/test_compiled.py``:
+one trace for any token count against three); a one-off CPU reproduction with flash8's layer
+layout at micro widths counted 22 compiles in 40 s against 66 in 126 s, the same greedy tokens,
+logits within 4e-8 (other kernels). Whether the shape-generic kernels decode as
 fast as the size-1 ones and capture in CUDA graphs is what the GPU has to show.
 """
 
