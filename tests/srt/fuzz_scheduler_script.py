@@ -63,6 +63,7 @@ KINDS = {"new": 19, "extend": 19, "diverge": 11, "prefix": 4, "repeat": 14, "for
 FLUSH_EVERY = 1000  # operations between cache flushes (a flush waits for A to drain)
 QUIET_BEFORE_FLUSH = 300  # no long outputs this close before a flush or the end (a short drain)
 DEP_GAP = 48  # an op builds on one planned at least this much earlier: mostly finished by then
+ABORT_DELAY_START, ABORT_DELAY_RANGE = 0.8, (0.05, 30.0)  # abort_prefill's adaptive delay (s)
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Op:
     cut: float | None = None  # diverge / prefix: keep this fraction of the base
     max_new: int = 0
     n: int = 1
-    abort_after: float = 0.0  # abort_decode: tokens received; abort_prefill: seconds after submit
+    abort_after: float = 0.0  # abort_decode: tokens received; abort_prefill: a fraction of the abort delay
     planned_len: int = 0  # prompt + max_new as planned (the output may stop early at EOS)
 
 
@@ -159,8 +160,8 @@ def make_plan(seed: int, num_ops: int) -> list[Op]:
                 add(Op(len(ops), "fork_branch", dep=i, suffix=_tokens(rng, rng.randrange(1, 6)),
                        max_new=_short_new(rng)), fill.planned_len)
         elif kind == "abort_prefill":  # a prompt of several chunks, aborted while it is prefilled
-            add(Op(i, "abort_prefill", suffix=[0] + _tokens(rng, rng.randrange(150, 260)), max_new=4,
-                   abort_after=rng.uniform(0.02, 0.8)), 0, completes=False)
+            add(Op(i, "abort_prefill", suffix=[0] + _tokens(rng, rng.randrange(200, 400)), max_new=4,
+                   abort_after=rng.uniform(0.3, 1.0)), 0, completes=False)
         elif kind == "abort_decode":  # a stream the client drops after some tokens
             if rng.random() < 0.5 and (j := dep_choice(60)) is not None:
                 base, suffix = ops[j].planned_len, _tokens(rng, rng.randrange(1, 8))
@@ -183,6 +184,7 @@ class Fuzz:
         self.events = {"requests": 0, "outputs_checked": 0, "tokens_checked": 0, "long_outputs": 0,
                        "retracted_requests": 0, "retractions": 0, "cache_hits": 0, "cached_tokens": 0,
                        "aborted_before_first_token": 0, "aborted_after_tokens": 0, "flushes": 0,
+                       "prefill_aborts_late": 0,
                        "mean_inflight": 0.0}
         self.mismatches: list[str] = []
         self.prompts: dict[int, list[int]] = {}
@@ -190,6 +192,10 @@ class Fuzz:
         self.b_queue: list[tuple] = []  # reference requests not sent yet
         self.b_wake, self.a_done = asyncio.Event(), False
         self.inflight = 0
+        # abort_prefill's delay after submit (s): how long a long prompt waits in A's queue depends
+        # on the machine and the load (a fixed 0.02-0.8 s found every one still queued in CI), so
+        # the delay adapts to when prefills end (run_abort)
+        self.abort_delay = ABORT_DELAY_START
 
     def base(self, op: Op) -> list[int]:
         """The prompt of ``op`` (its dependency has finished)."""
@@ -273,7 +279,8 @@ class Fuzz:
             self.a_slots.release()
 
     async def run_abort(self, op: Op, prompt: list[int], params: dict) -> list[int]:
-        """Stream ``op`` and abort it (after ``abort_after`` tokens / seconds); the ids that arrived."""
+        """Stream ``op`` and abort it (abort_decode: after ``abort_after`` tokens; abort_prefill:
+        after that fraction of the adaptive delay); the ids that arrived."""
         rid = f"fuzz-{SEED}-{op.index}"
         stream = await self.a.async_generate(input_ids=prompt, sampling_params=params, stream=True, rid=rid)
         last: dict | None = None
@@ -287,10 +294,17 @@ class Fuzz:
 
         task = asyncio.create_task(consume())  # the request reaches the scheduler once iterated
         if op.kind == "abort_prefill":
-            await asyncio.sleep(op.abort_after)
+            await asyncio.sleep(op.abort_after * self.abort_delay)
             self.a.tokenizer_manager.abort_request(rid=rid)
         await task
         got = [] if last is None else last["output_ids"]
+        if op.kind == "abort_prefill":
+            # (the client cannot tell an abort in the queue from one mid-prefill: SGLang answers
+            # both alike) shorter after an abort that came too late, longer after one before any
+            # token: the delay settles where ~40% come too late, just after the prefills end
+            self.abort_delay *= 0.8 if got else 1.15
+            self.abort_delay = min(max(self.abort_delay, ABORT_DELAY_RANGE[0]), ABORT_DELAY_RANGE[1])
+            self.events["prefill_aborts_late"] += bool(got)
         if last is not None:
             self.account(last)
         self.events["aborted_after_tokens" if got else "aborted_before_first_token"] += 1
