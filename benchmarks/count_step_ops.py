@@ -26,6 +26,7 @@ from benchmarks.bench_decode import make_config, random_weights
 from sglang_dsv4.core import ops
 from sglang_dsv4.core import step as step_mod
 from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.kernels import kv_layout
 from sglang_dsv4.srt import state as state_mod
 from sglang_dsv4.srt.state import SglangV4Cache
 
@@ -100,6 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     regions = FusedRegions()
     regions.wrap_all(ops)
+    regions.wrap_all(kv_layout)
     gpu_code_path()
     B, ctx = args.batch, args.context
     cfg = make_config(args.config, ctx + 64)

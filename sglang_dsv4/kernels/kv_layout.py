@@ -25,7 +25,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
+from ..core.compiled import on_gpu
 from ..quant import FP8_MAX, pow2_scale
 
 Tensor = torch.Tensor
@@ -38,6 +40,32 @@ V4_TOKEN_BYTES = 584     # what FlashMLA reads per token: 576 data + 8 scale byt
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+# The quantising halves of the fp8 layouts' ``pack``, fused on the GPU (``core.compiled``): as
+# torch ops they are ~15 kernels per write, and a decode step writes each layer's window, C4, C128
+# and indexer rows. The byte views and the concatenation stay outside (no dtype-size bitcasts in
+# the compiled graph). The arithmetic is quant.fp8_qat's: 2^ceil(log2(amax / 448)) per tile.
+@on_gpu(rows={"x": (0,)})
+def _v4_fp8_quantise(x: Tensor, nope: int, rope_dtype: torch.dtype, scale_bytes: int
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """x [n, nope + rope] -> (e4m3 nope [n, nope], rope part [n, rope] in ``rope_dtype``,
+    ue8m0 scale bytes [n, scale_bytes], zero-padded after the nope // 64 tiles)."""
+    tiles = x[:, :nope].float().unflatten(-1, (nope // FP8_TILE, FP8_TILE))
+    log2_scale = torch.ceil(torch.log2(tiles.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) / FP8_MAX))
+    q = (tiles / torch.exp2(log2_scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    ue8m0 = (log2_scale.squeeze(-1) + 127).to(torch.uint8)  # biased by 127
+    scales = F.pad(ue8m0, (0, scale_bytes - ue8m0.shape[-1]))
+    return q.flatten(1), x[:, nope:].to(rope_dtype), scales
+
+
+@on_gpu(rows={"x": (0,)})
+def _index_fp8_quantise(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [n, dim] -> (e4m3 [n, dim], fp32 power-of-two scale [n, 1])."""
+    x = x.float()
+    # floor far below any real key; an all-zero row stores zeros
+    scale = pow2_scale(x.abs().amax(-1, keepdim=True).clamp_min(1e-30), FP8_MAX)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 class RowLayout(ABC):
@@ -157,16 +185,9 @@ class V4Fp8Rows(RowLayout):
     # ---- one row <-> bytes -------------------------------------------------------------------
     def pack(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [n, dim] -> (data [n, data_bytes], scales [n, scale_bytes]) as uint8."""
-        n = x.shape[0]
-        tiles = x[:, :self.nope].float().unflatten(-1, (self.num_tiles, FP8_TILE))
         # the same arithmetic as quant.fp8_qat, so the stored values equal its output bit for bit
-        scale = pow2_scale(tiles.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR), FP8_MAX)
-        q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        rope = x[:, self.nope:].to(self.rope_dtype).contiguous()
-        data = torch.cat((q.view(torch.uint8).flatten(1), rope.view(torch.uint8)), dim=1)
-        _, exp = torch.frexp(scale.squeeze(-1))  # scale = 0.5 * 2^exp, so log2(scale) = exp - 1
-        scales = torch.zeros(n, self.scale_bytes, dtype=torch.uint8, device=x.device)
-        scales[:, :self.num_tiles] = (exp + 126).to(torch.uint8)  # ue8m0: biased by 127
+        q, rope, scales = _v4_fp8_quantise(x, self.nope, self.rope_dtype, self.scale_bytes)
+        data = torch.cat((q.view(torch.uint8), rope.contiguous().view(torch.uint8)), dim=1)
         return data, scales
 
     def unpack(self, data: Tensor, scales: Tensor) -> Tensor:
@@ -236,10 +257,7 @@ class IndexFp8Rows(RowLayout):
         return torch.zeros(*lead, self.page_bytes, dtype=torch.uint8, device=device)
 
     def pack(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        x = x.float()
-        # floor far below any real key; an all-zero row stores zeros
-        scale = pow2_scale(x.abs().amax(-1, keepdim=True).clamp_min(1e-30), FP8_MAX)
-        q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q, scale = _index_fp8_quantise(x)
         return q.view(torch.uint8), scale.contiguous().view(torch.uint8)
 
     def unpack(self, data: Tensor, scales: Tensor) -> Tensor:

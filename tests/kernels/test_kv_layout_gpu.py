@@ -1,0 +1,52 @@
+"""The fp8 KV layouts' fused quantisers on the GPU: compiled (``core.compiled``) they store the
+bytes their eager torch ops store, bit for bit, and a V4 row read back is ``quant.fp8_qat``.
+
+    python3 -m pytest -q -m gpu tests/kernels/test_kv_layout_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv4.kernels import kv_layout
+from sglang_dsv4.quant import fp8_qat
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _rows(n: int, dim: int) -> torch.Tensor:
+    """Random rows over a wide range of magnitudes, with an all-zero row, a row of exact powers of
+    two (where the scale's ceil(log2) sits on an integer) and a row below the amax floor."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(n, dim, device=DEV, generator=g) * torch.exp2(torch.randint(-20, 12, (n, 1), device=DEV,
+                                                                                  generator=g).float())
+    x[0] = 0
+    x[1] = 2.0 ** torch.randint(-8, 5, (dim,), device=DEV, generator=g).float()
+    x[1, ::64] = 56.0  # each tile's amax / 448 = 2^-3
+    x[2] = 1e-7
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_fused_quantisers_store_the_eager_bytes(n):
+    v4 = kv_layout.V4Fp8Rows(64)
+    x = _rows(max(n, 3), v4.dim)[:n]
+    for got, want in zip(kv_layout._v4_fp8_quantise(x, v4.nope, v4.rope_dtype, v4.scale_bytes),
+                         kv_layout._v4_fp8_quantise.eager(x, v4.nope, v4.rope_dtype, v4.scale_bytes)):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    k = _rows(max(n, 3), 128)[:n]
+    for got, want in zip(kv_layout._index_fp8_quantise(k), kv_layout._index_fp8_quantise.eager(k)):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_v4_row_written_and_read_on_the_gpu_is_fp8_qat():
+    v4 = kv_layout.V4Fp8Rows(64)
+    x = _rows(100, v4.dim).float()
+    buf = v4.alloc_pool(4, device=DEV)
+    rows = torch.randperm(256, device=DEV)[:100]
+    v4.write(buf, rows, x)
+    back = v4.read(buf, rows)
+    assert torch.equal(back[:, :v4.nope], fp8_qat(x[:, :v4.nope]))
+    assert torch.equal(back[:, v4.nope:], x[:, v4.nope:].to(torch.bfloat16).float())
