@@ -82,6 +82,11 @@ class DecodeGraphs:
         if g is None:
             for k in [k for k in graphs if k[:2] == key[:2]]:
                 del graphs[k]  # its pools were reallocated
+            if not any(self.graphs.values()):
+                # The private memory pool lives while a graph captured into it does: once every
+                # graph is gone (their caches with them), capturing into the dead pool's handle
+                # trips the allocator (an internal assert in capture_begin); a new handle, a new pool.
+                self.pool = torch.cuda.graph_pool_handle()
             g = graphs[key] = self._capture(cache, b, plan.widths, plan.entries is not None)
             self.captured.append((b, widths))
             logger.info("sglang_dsv4: captured the decode step for batch %d (entry widths %s)", b, widths)
