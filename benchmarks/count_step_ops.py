@@ -24,9 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_decode import make_config, random_weights
 from sglang_dsv4.core import ops
+from sglang_dsv4.core import model as model_mod
 from sglang_dsv4.core import step as step_mod
 from sglang_dsv4.core.model import V4Model
-from sglang_dsv4.kernels import kv_layout
+from sglang_dsv4.kernels import kv_layout, sparse_mla
 from sglang_dsv4.srt import state as state_mod
 from sglang_dsv4.srt.state import SglangV4Cache
 
@@ -100,8 +101,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
     regions = FusedRegions()
-    regions.wrap_all(ops)
-    regions.wrap_all(kv_layout)
+    for module in (ops, model_mod, kv_layout, sparse_mla):  # the modules with on_gpu functions
+        regions.wrap_all(module)
     gpu_code_path()
     B, ctx = args.batch, args.context
     cfg = make_config(args.config, ctx + 64)

@@ -29,6 +29,7 @@ from ..kernels.fp8_linear import Fp8Weight
 from ..kernels.kv_layout import RowLayout
 from . import ops
 from .cache import RequestState
+from .compiled import on_gpu
 from .slot_state import C4_STATE_ROWS
 from .step import (CPU_TOKEN_TILE, DETERMINISTIC_TILE, StepBatch, V4CacheView, build_step, pad_step,
                    step_tables, tile_pieces)
@@ -57,14 +58,22 @@ def _c4_window_rows(step: StepBatch, layers: int) -> tuple[Tensor, Tensor]:
     8 rows its window pools [T, 8], in the concatenation [slot states' rows (B * 8); the chunk's
     rows (T); a padding row], and where its row goes in the flat state of layer 0 (add
     c4 * 8 for layer c4: the request's slot for its last 8 positions, the scratch slot's else)."""
-    R, B, T = C4_STATE_ROWS, step.num_reqs, step.num_tokens
-    pos, b = step.positions, step.tok_req
+    return _c4_window_rows_of(step.positions, step.tok_req, step.starts, step.ends, step.row0, step.slots,
+                              step.scratch_slot, layers)
+
+
+@on_gpu(rows={"positions": (0,), "tok_req": (0,), "starts": (0,), "ends": (0,), "row0": (0,), "slots": (0,)})
+def _c4_window_rows_of(positions: Tensor, tok_req: Tensor, starts: Tensor, ends: Tensor, row0: Tensor,
+                       slots: Tensor, scratch_slot: int, layers: int) -> tuple[Tensor, Tensor]:
+    """``_c4_window_rows`` on the step's tensors: one fused region on the GPU."""
+    R, B, T = C4_STATE_ROWS, slots.shape[0], positions.shape[0]
+    pos, b = positions, tok_req
     qpos = pos[:, None] - (R - 1) + torch.arange(R, device=pos.device)
-    start = step.starts[b][:, None]
-    idx = torch.where(qpos >= start, B * R + step.row0[b][:, None] + qpos - start,
+    start = starts[b][:, None]
+    idx = torch.where(qpos >= start, B * R + row0[b][:, None] + qpos - start,
                       torch.where(qpos >= 0, b[:, None] * R + qpos % R, B * R + T))
-    keep = pos >= step.ends[b] - R
-    return idx, torch.where(keep, step.slots[b], step.scratch_slot) * layers * R + pos % R
+    keep = pos >= ends[b] - R
+    return idx, torch.where(keep, slots[b], scratch_slot) * layers * R + pos % R
 
 
 def _token_columns(step: StepBatch) -> Tensor:
@@ -371,14 +380,13 @@ class V4Model:
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"], cache.slot_state[f"c4_{kind}_s"]
         R, (B, d2), L = C4_STATE_ROWS, (step.num_reqs, a.shape[1]), st_a.shape[1]
         # rows before the chunk come from the slot's state, rows inside it from the chunk
-        src_a = torch.cat((st_a[step.slots, c4].reshape(B * R, d2), a, a.new_zeros(1, d2)))
-        src_s = torch.cat((st_s[step.slots, c4].reshape(B * R, d2), s, s.new_full((1, d2), float("-inf"))))
         idx, dst = step.derived(("c4_windows", L), lambda: _c4_window_rows(step, L))
-        pooled = ops.pool_c4_windows(src_a[idx], src_s[idx])
+        entries = ops.c4_entries(st_a[step.slots, c4].reshape(B * R, d2), st_s[step.slots, c4].reshape(B * R, d2),
+                                 a, s, idx, w, prefix, step.positions, freqs, self.cfg, is_indexer, self.quant_sim)
         dst = dst + c4 * R
         st_a.view(-1, d2)[dst] = a
         st_s.view(-1, d2)[dst] = s
-        return ops.finish_entries(pooled, w, prefix, step.positions - 3, freqs, self.cfg, is_indexer, self.quant_sim)
+        return entries
 
     def _c128_entries(self, cache: V4CacheView, step: StepBatch, c128: int, a: Tensor, s: Tensor,
                       w: dict[str, Tensor], freqs: Tensor) -> Tensor:

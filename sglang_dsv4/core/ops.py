@@ -315,6 +315,22 @@ def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
     return (torch.softmax(s, dim=-1) * a).sum(-1)
 
 
+@on_gpu(rows={"prev_a": (0,), "prev_s": (0,), "a": (0,), "s": (0,), "idx": (0,), "positions": (0,)})
+def c4_entries(prev_a: Tensor, prev_s: Tensor, a: Tensor, s: Tensor, idx: Tensor, w: dict[str, Tensor],
+               prefix: str, positions: Tensor, inv_freqs: Tensor, cfg: V4Config, is_indexer: bool,
+               quant_sim: bool) -> Tensor:
+    """The C4 entry each token's 8-row window completes, finished (``finish_entries``) -> [T, d].
+
+    The window's rows come from [the slot states' rows prev_* (B * 8); the chunk's rows a, s (T);
+    a padding row (a 0, s -inf)], ``idx`` [T, 8] indexing that concatenation; a token at position
+    p pools positions p-7..p, the group's first token p - 3. One fused region on the GPU."""
+    d2 = a.shape[1]
+    src_a = torch.cat((prev_a, a, a.new_zeros(1, d2)))
+    src_s = torch.cat((prev_s, s, s.new_full((1, d2), float("-inf"))))
+    pooled = pool_c4_windows(src_a[idx], src_s[idx])
+    return finish_entries(pooled, w, prefix, positions - 3, inv_freqs, cfg, is_indexer, quant_sim)
+
+
 def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width: int) -> Tensor:
     """Sequential online-softmax pooling of groups: ``state`` [G, 3, d] (running max, sum,
     weighted sum) absorbs, position by position, rows ``a[tok[g, i]]``, ``s[tok[g, i]]`` for
@@ -324,15 +340,22 @@ def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width:
     not depend on where a prefill chunk started inside it."""
     m, total, acc = state.unbind(1)
     for i in range(width):
-        t = tok[:, i]
-        valid = (t >= 0).unsqueeze(1)
-        ai, si = a[t.clamp_min(0)], s[t.clamp_min(0)]
-        m_new = torch.maximum(m, si)
-        c_old, c_new = torch.exp(m - m_new), torch.exp(si - m_new)
-        total = torch.where(valid, total * c_old + c_new, total)
-        acc = torch.where(valid, acc * c_old + ai * c_new, acc)
-        m = torch.where(valid, m_new, m)
+        m, total, acc = _absorb_position(m, total, acc, a, s, tok[:, i])
     return torch.stack((m, total, acc), dim=1)
+
+
+@on_gpu(rows={"m": (0,), "total": (0,), "acc": (0,), "a": (0,), "s": (0,), "t": (0,)})
+def _absorb_position(m: Tensor, total: Tensor, acc: Tensor, a: Tensor, s: Tensor, t: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of ``online_softmax_pool``: each group's state [G, d] x3 absorbs row t[g] of a, s
+    (t -1: none). One fused region on the GPU, compiled once for every position of the loop."""
+    valid = (t >= 0).unsqueeze(1)
+    ai, si = a[t.clamp_min(0)], s[t.clamp_min(0)]
+    m_new = torch.maximum(m, si)
+    c_old, c_new = torch.exp(m - m_new), torch.exp(si - m_new)
+    total = torch.where(valid, total * c_old + c_new, total)
+    acc = torch.where(valid, acc * c_old + ai * c_new, acc)
+    return torch.where(valid, m_new, m), total, acc
 
 
 @on_gpu(rows={"pooled": (0,), "first_positions": (0,)})

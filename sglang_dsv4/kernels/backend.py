@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
+def attended_rows(entry_table: Tensor, tok_req: Tensor, comp_idx: Tensor) -> Tensor:
+    """Entry indices [T, K] (-1 padded) -> the storage rows in each token's request's table
+    ``entry_table`` [B, N] (-1 where none)."""
+    rows = entry_table[tok_req].gather(1, comp_idx.clamp_min(0))
+    return torch.where(comp_idx >= 0, rows, -1)
+
+
 @dataclass
 class AttnBatch:
     """One layer's attention over a batched step (see module docstring)."""
@@ -61,8 +68,7 @@ class AttnBatch:
         """[T, K] storage rows of the entries each token attends (-1 none)."""
         if self.comp_idx is None:
             return None
-        rows = self.entry_table[self.step.tok_req].gather(1, self.comp_idx.clamp_min(0))
-        return torch.where(self.comp_idx >= 0, rows, -1)
+        return attended_rows(self.entry_table, self.step.tok_req, self.comp_idx)
 
     def window_sources(self) -> tuple[Tensor, Tensor, Tensor]:
         """(ring rows of the step's slots [B*W, Dh] float, the chunk's rows as stored [T, Dh],

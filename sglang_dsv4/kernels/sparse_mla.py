@@ -22,7 +22,8 @@ from typing import Any, Protocol
 import torch
 
 from ..config import V4Config
-from .backend import AttentionBackend, AttnBatch, fp8_entry_layouts, fp8_window_layout
+from ..core.compiled import on_gpu
+from .backend import AttentionBackend, AttnBatch, attended_rows, fp8_entry_layouts, fp8_window_layout
 from .kv_layout import RowLayout
 
 Tensor = torch.Tensor
@@ -49,6 +50,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+@on_gpu(rows={"pos": (0,), "slots": (0,)})
 def _decode_window(pos: Tensor, slots: Tensor, W: int):
     """A decode step's ring addressing, the same in every layer: (where the new rows go, as
     (page = slot, offset = p % W), window indices [T, 1, W] int32, their lengths [T] int32).
@@ -58,6 +60,15 @@ def _decode_window(pos: Tensor, slots: Tensor, W: int):
     key_pos = lo[:, None] + torch.arange(W, device=pos.device)
     idx = torch.where(key_pos <= pos[:, None], slots[:, None] * W + key_pos % W, -1)
     return (slots, pos % W), idx.to(torch.int32).unsqueeze(1).contiguous(), (pos - lo + 1).to(torch.int32)
+
+
+@on_gpu(rows={"tok_req": (0,), "comp_idx": (0,)}, widths={"entry_table": (1,), "comp_idx": (1,)})
+def _decode_extra(entry_table: Tensor, tok_req: Tensor, comp_idx: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """The decode kernel's extra-cache operands for a layer's entry indices [T, K]: the storage
+    rows [T, 1, width] int32 (valid leftmost, as the indices are; -1 padded to ``width``) and how
+    many are valid [T] int32. One fused region on the GPU (about ten small ops per layer else)."""
+    rows = attended_rows(entry_table, tok_req, comp_idx)
+    return _pad_cols(rows, width).to(torch.int32).unsqueeze(1), (rows >= 0).sum(-1).to(torch.int32)
 
 
 class SparseMLABackend(AttentionBackend):
@@ -97,12 +108,11 @@ class SparseMLABackend(AttentionBackend):
         ring_rows, idx, lengths = st.derived(("decode_window", W), lambda: _decode_window(b.positions, st.slots, W))
         b.ring_layout.write(b.ring, ring_rows, b.kv)
         extra: dict[str, Any] = {}
-        crow = b.comp_rows()  # valid rows leftmost (top-k order, or entries ascending)
-        if crow is not None:
-            crow = _pad_cols(crow, _round_up(max(crow.shape[1], 1), INDEX_BLOCK))
+        if b.comp_idx is not None:  # valid rows leftmost (top-k order, or entries ascending)
+            rows, counts = _decode_extra(b.entry_table, st.tok_req, b.comp_idx,
+                                         _round_up(max(b.comp_idx.shape[1], 1), INDEX_BLOCK))
             extra = dict(extra_cache=b.entries, extra_layout=b.entry_layout,
-                         extra_indices=crow.to(torch.int32).unsqueeze(1).contiguous(),
-                         extra_lengths=(crow >= 0).sum(-1).to(torch.int32))
+                         extra_indices=rows.contiguous(), extra_lengths=counts)
         out = self.kernels.decode(b.q.to(self.dtype).unsqueeze(1), b.ring, b.ring_layout, idx, lengths,
                                   b.sink.float().contiguous(), b.scale, **extra)
         return out[:, 0].to(b.q.dtype)
