@@ -185,9 +185,8 @@ class NewPath:
         if graphs:
             self.model.enable_cuda_graphs()
         max_len = ctx + steps + 8
-        self.cache = SglangV4Cache(cfg, batch + 1, (batch + 1) * (steps + 8) + ctx + 64, max_seq_len=max_len,
-                                   device=device)
-        self.cache.req_to_token = torch.zeros(batch + 1, max_len, dtype=torch.int32, device=device)
+        self.cache = SglangV4Cache.with_own_table(cfg, batch + 1, (batch + 1) * (steps + 8) + ctx + 64,
+                                                  max_seq_len=max_len, device=device)
         self.next_slot, self.batch, self.ctx, self.device = 1, batch, ctx, device
         self.gen = torch.Generator(device="cpu").manual_seed(1)
 

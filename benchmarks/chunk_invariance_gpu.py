@@ -33,8 +33,8 @@ class Rows:
     """The serving cache driven as SGLang drives it (rows of req_to_token, fresh slots)."""
 
     def __init__(self, cfg, rows: int, max_len: int):
-        self.cache = SglangV4Cache(cfg, rows, rows * max_len, max_seq_len=max_len, device=DEV, backend="flashmla")
-        self.cache.req_to_token = torch.zeros(rows, max_len, dtype=torch.int32, device=DEV)
+        self.cache = SglangV4Cache.with_own_table(cfg, rows, rows * max_len, max_seq_len=max_len, device=DEV,
+                                                  backend="flashmla")
         self.next = 1
 
     def slots(self, row: int, start: int, n: int) -> None:

@@ -108,8 +108,7 @@ def main() -> None:
     cfg = make_config(args.config, ctx + 64)
     model = V4Model(cfg, random_weights(cfg, "cpu", torch.bfloat16))
     L = ctx + 8
-    cache = SglangV4Cache(cfg, B + 1, (B + 1) * L, max_seq_len=L, device="cpu", backend="torch-fp8")
-    cache.req_to_token = torch.zeros(B + 1, L, dtype=torch.int32)
+    cache = SglangV4Cache.with_own_table(cfg, B + 1, (B + 1) * L, max_seq_len=L, device="cpu", backend="torch-fp8")
     cache.req_to_token[0, :ctx] = torch.arange(1, ctx + 1, dtype=torch.int32)
     prompt = cache.bind(0, 1, 0)
     model.forward(cache, [prompt], [torch.randint(0, cfg.vocab_size, (ctx,))])

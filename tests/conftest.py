@@ -94,8 +94,8 @@ class ServingRows:
         from sglang_dsv4.srt.state import SglangV4Cache
 
         self.device = device
-        self.cache = SglangV4Cache(cfg, rows, token_slots, max_seq_len=max_len, device=device, backend=backend)
-        self.cache.req_to_token = torch.zeros(rows, max_len, dtype=torch.int32, device=device)
+        self.cache = SglangV4Cache.with_own_table(cfg, rows, token_slots, max_seq_len=max_len, device=device,
+                                                  backend=backend)
         self.next = 1
 
     def slots(self, row: int, start: int, n: int) -> None:

@@ -124,7 +124,7 @@ class SglangV4Cache:
                                       else default_snapshot_budget_bytes(num_req_rows, self.snapshot_bytes_each))
         self.rows: dict[int, _Row] = {}
         self.pending_forks: dict[int, tuple[int, list[int]]] = {}  # row -> (generation, positions)
-        self.req_to_token: Tensor | None = None
+        self.req_to_token: Tensor | None = None  # SGLang's (``srt.model``), or ``with_own_table``'s
         self._deferred: list[Tensor] | None = None
         self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
                       "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
@@ -200,6 +200,16 @@ class SglangV4Cache:
                 j = int(torch.nonzero(rows < 0)[0])
                 raise RuntimeError(f"request row {row}: compressed entry {j} (ratio {r}) missing "
                                    f"for token slot {int(slots[j])}")
+
+    @classmethod
+    def with_own_table(cls, cfg: V4Config, num_req_rows: int, num_token_slots: int, max_seq_len: int,
+                       **kwargs) -> "SglangV4Cache":
+        """A cache with its own request-to-token table (zeros [rows, max_seq_len] int32 on its
+        device, as SGLang's ``ReqToTokenPool`` keeps it), for code that drives the cache without
+        SGLang: tests, benchmarks, tools. The caller writes each request's token slots into it."""
+        cache = cls(cfg, num_req_rows, num_token_slots, max_seq_len, **kwargs)
+        cache.req_to_token = torch.zeros(num_req_rows, max_seq_len, dtype=torch.int32, device=cache.device)
+        return cache
 
     # ---- what V4Model asks of a cache (step.V4CacheView) --------------------------------------
     def check_length(self, req: RequestState, num_new: int) -> None:

@@ -16,8 +16,8 @@ STARTS = [0, 5, 127, 128, 255, 3, 511]  # group boundaries of both ratios on eit
 
 
 def _serving(cfg):
-    cache = SglangV4Cache(cfg, 8, 8192, max_seq_len=1024, device="cpu", backend="torch")
-    cache.req_to_token = torch.arange(8 * 1024, dtype=torch.int32).view(8, 1024)
+    cache = SglangV4Cache.with_own_table(cfg, 8, 8192, max_seq_len=1024, device="cpu", backend="torch")
+    cache.req_to_token.copy_(torch.arange(8 * 1024).view(8, 1024))
     return cache
 
 

@@ -47,8 +47,8 @@ def test_layers_share_the_steps_window_and_compressor_indices(micro, monkeypatch
     monkeypatch.setattr(backend_mod, "_ring_writes", counted("ring", backend_mod._ring_writes))
     monkeypatch.setattr(model_mod, "_c4_window_rows", counted("c4", model_mod._c4_window_rows))
     model = V4Model(cfg, w)
-    cache = SglangV4Cache(cfg, 2, 256, max_seq_len=128, backend="torch")
-    cache.req_to_token = torch.arange(1, 257, dtype=torch.int32).view(2, 128)
+    cache = SglangV4Cache.with_own_table(cfg, 2, 256, max_seq_len=128, backend="torch")
+    cache.req_to_token.copy_(torch.arange(1, 257).view(2, 128))
     reqs = [cache.bind(r, 1, 0) for r in range(2)]
     ids = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 20)]
     model.forward(cache, reqs, ids)

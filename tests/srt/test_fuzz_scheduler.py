@@ -77,8 +77,7 @@ def test_a_free_alone_makes_the_next_check_run_and_strict_checks_raise(micro):
     """The idle check skips only when nothing changed: a slot free between steps (an abort, a
     retraction) is checked too. ``strict=True`` (the per-step check) raises, and counts."""
     cfg, w = micro
-    cache = SglangV4Cache(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend="torch")
-    cache.req_to_token = torch.zeros(ROWS, MAX_LEN, dtype=torch.int32)
+    cache = SglangV4Cache.with_own_table(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend="torch")
     model = V4Model(cfg, w)
     for row, first in ((0, 1), (1, 201)):  # two requests of 140 tokens (C4 entries on their slots)
         cache.req_to_token[row, :140] = torch.arange(first, first + 140, dtype=torch.int32)

@@ -26,9 +26,7 @@ class Slots:
 
 
 def _cache(cfg, backend: str) -> SglangV4Cache:
-    cache = SglangV4Cache(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend=backend)
-    cache.req_to_token = torch.zeros(ROWS, MAX_LEN, dtype=torch.int32)
-    return cache
+    return SglangV4Cache.with_own_table(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend=backend)
 
 
 def _run(model, cache, row, gen, prefix_len, ids, chunks):

@@ -29,9 +29,7 @@ def report(name: str, **values) -> None:
 
 
 def _cache(cfg, backend: str = "flashmla") -> SglangV4Cache:
-    cache = SglangV4Cache(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, device="cuda", backend=backend)
-    cache.req_to_token = torch.zeros(ROWS, MAX_LEN, dtype=torch.int32, device="cuda")  # as SGLang keeps it
-    return cache
+    return SglangV4Cache.with_own_table(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, device="cuda", backend=backend)
 
 
 def _gpu_weights(w, matmul_dtype):
