@@ -247,6 +247,15 @@ class OldPath:
         self.ids = torch.stack([o[-1:].argmax(-1) for o in out])
 
 
+def compile_summary() -> str:
+    """How many graphs Dynamo compiled in this process so far, and the seconds spent compiling
+    them (Dynamo + Inductor): a cold process's cost of the fused regions (``core.compiled``)."""
+    from torch._dynamo import utils
+
+    secs = sum(utils.compilation_time_metrics.get("_compile.compile_inner", []))
+    return f"compiled graphs {utils.counters['stats']['unique_graphs']}, {secs:.1f} s compiling (this process)"
+
+
 def profile_step(path, n: int = 3) -> tuple[float, float, float]:
     """(kernel launches, host syncs, GPU busy %) per step, from the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -376,8 +385,10 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
         del w, ws
         torch.cuda.empty_cache()
+    print(compile_summary(), flush=True)
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 15 + "|\n" + "\n".join(rows) + "\n")
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 15 + "|\n" + "\n".join(rows)
+                            + f"\n\n{compile_summary()}\n")
     return 0
 
 

@@ -17,7 +17,10 @@
 #   BENCH_ARGS='--configs flash8 --batches 1,64 --contexts 16384 --paths graphs,graphs-det --weights fp8'
 #   GENERIC_TOO=1 (then the same benchmark with SGLANG_DSV4_COMPILE=generic, core/compiled.py)
 # (the deterministic mode's cost; benchmarks/chunk_invariance_gpu.py shows what it buys)
-# (the first steps of a process compile the fused ops: allow a minute or two per config).
+# (the first steps of a process compile the fused ops: allow a minute or two per config; bench_decode
+# prints how many graphs it compiled and the seconds it took). SGLANG_DSV4_COMPILE=0 in front runs
+# everything with eager ops: a short call's way to the tests and the deterministic mode's cost
+# (session 8: GPU tests + flash8 B1/B64 graphs vs graphs-det in 106 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -64,14 +67,14 @@ fi
 old=()
 [ -d .bench-old/sglang_dsv4_old ] && old=(--old-root .bench-old)
 echo "--- this tree"
-timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|captured\|Error"
+timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|captured\|compiled graphs\|Error"
 if [ -n "${GENERIC_TOO:-}" ]; then
   # the opt-in shape-generic compilation (core/compiled.py), its own process and compile cache: cold
   # compile time (prefill s) and decode speed beside the default's above
   echo "--- this tree, SGLANG_DSV4_COMPILE=generic"
   SGLANG_DSV4_COMPILE=generic TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generic TRITON_CACHE_DIR=/tmp/inductor-generic/triton \
     timeout ${GENERIC_TIMEOUT:-300} python3 -m benchmarks.bench_decode --out "$OUT/decode_generic.md" ${BENCH_ARGS:-} 2>&1 \
-    | tee "$OUT/bench_generic.log" | grep "^|\|captured\|Error"
+    | tee "$OUT/bench_generic.log" | grep "^|\|captured\|compiled graphs\|Error"
 fi
 echo "--- GPU tests exit status $rc"
 exit "$rc"
