@@ -14,7 +14,8 @@ Paths: ``before`` (the old package), ``batched`` (this tree, eager), ``graphs`` 
 replayed from CUDA graphs, ``V4Model.enable_cuda_graphs``), and ``batched-det`` / ``graphs-det``
 (the same in the deterministic mode, ``V4Model(deterministic=True)``: its cost). Columns: step ms (median over ``--steps`` after warm-up, the GPU drained around each step), tok/s
 (B / step), pipelined ms (steps issued back to back: host work overlaps the GPU), kernel launches and
-host syncs per step and GPU busy % (torch profiler over 3 steps: CUDA kernel time / wall time),
+host syncs per step (inside the steps; a graph replay counts no launch) and GPU busy % (torch
+profiler over 3 steps: CUDA kernel time / wall time),
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
 device-to-device copy bandwidth measured in the same run) and step / roofline; prefill s: the
@@ -257,30 +258,36 @@ def compile_summary() -> str:
 
 
 def profile_step(path, n: int = 3) -> tuple[float, float, float]:
-    """(kernel launches, host syncs, GPU busy %) per step, from the torch profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """(kernel launches, host syncs, GPU busy %) per step, from the torch profiler. Launches and
+    syncs are counted inside the steps only (each step a ``record_function`` range), so the
+    profiler's and the harness's own synchronisations do not count."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(n):
-            path.step()
+            with record_function("bench_step"):
+                path.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
+    events = prof.events()
+    steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "bench_step"]
+
+    def in_step(e) -> bool:
+        return any(a <= e.time_range.start and e.time_range.end <= b for a, b in steps)
+
     launches = syncs = 0
     busy = 0.0
-    for e in prof.events():
+    for e in events:
         name = e.name
         if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
-            launches += 1
-        elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
-            syncs += 1
-        elif name == "cudaMemcpy" or (name == "cudaMemcpyAsync" and False):
-            syncs += 1
+            launches += in_step(e)
+        elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"):
+            syncs += in_step(e)
         if e.device_type.name == "CUDA":
             busy += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    # the final synchronize above is the harness's own
-    return launches / n, max(syncs - 1, 0) / n, 100 * busy / 1e6 / wall
+    return launches / n, syncs / n, 100 * busy / 1e6 / wall
 
 
 def time_steps(path, steps: int) -> float:
