@@ -23,9 +23,14 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
+def pow2_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """log2 of ``pow2_scale`` (float): what a ue8m0 scale byte stores, less its bias of 127."""
+    return torch.ceil(torch.log2(amax / qmax))
+
+
 def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """Smallest power of two s with amax / s <= qmax (the ue8m0 scale rule)."""
-    return torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+    return torch.exp2(pow2_exponent(amax, qmax))
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..quant import FP8_MAX, FP8_WEIGHT_BLOCK, dequantize_fp8_blockwise
+from ..quant import FP8_MAX, FP8_WEIGHT_BLOCK, dequantize_fp8_blockwise, pow2_scale
 
 Tensor = torch.Tensor
 # TRITON_INTERPRET=1 (read by triton at import): the kernels run on CPU tensors too (tests)
@@ -121,7 +121,7 @@ def quantize_act(x: Tensor, group: int = ACT_GROUP) -> tuple[Tensor, Tensor]:
         xf = F.pad(xf, (0, Kp - K))
     xb = xf.view(M, Kp // group, group)
     amax = xb.abs().amax(-1).clamp_min(ACT_AMAX_FLOOR)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    scale = pow2_scale(amax, FP8_MAX)
     q = (xb / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(M, Kp), scale
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.compiled import on_gpu
-from ..quant import FP8_MAX, pow2_scale
+from ..quant import FP8_MAX, pow2_exponent, pow2_scale
 
 Tensor = torch.Tensor
 
@@ -45,14 +45,14 @@ def _round_up(x: int, m: int) -> int:
 # The quantising halves of the fp8 layouts' ``pack``, fused on the GPU (``core.compiled``): as
 # torch ops they are ~15 kernels per write, and a decode step writes each layer's window, C4, C128
 # and indexer rows. The byte views and the concatenation stay outside (no dtype-size bitcasts in
-# the compiled graph). The arithmetic is quant.fp8_qat's: 2^ceil(log2(amax / 448)) per tile.
+# the compiled graph). The arithmetic is quant.fp8_qat's (``pow2_scale`` per 64-value tile).
 @on_gpu(rows={"x": (0,)})
 def _v4_fp8_quantise(x: Tensor, nope: int, rope_dtype: torch.dtype, scale_bytes: int
                      ) -> tuple[Tensor, Tensor, Tensor]:
     """x [n, nope + rope] -> (e4m3 nope [n, nope], rope part [n, rope] in ``rope_dtype``,
     ue8m0 scale bytes [n, scale_bytes], zero-padded after the nope // 64 tiles)."""
     tiles = x[:, :nope].float().unflatten(-1, (nope // FP8_TILE, FP8_TILE))
-    log2_scale = torch.ceil(torch.log2(tiles.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) / FP8_MAX))
+    log2_scale = pow2_exponent(tiles.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR), FP8_MAX)
     q = (tiles / torch.exp2(log2_scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     ue8m0 = (log2_scale.squeeze(-1) + 127).to(torch.uint8)  # biased by 127
     scales = F.pad(ue8m0, (0, scale_bytes - ue8m0.shape[-1]))
