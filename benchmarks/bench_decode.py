@@ -392,10 +392,11 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
         del w, ws
         torch.cuda.empty_cache()
-    print(compile_summary(), flush=True)
+    compiled = compile_summary()
+    print(compiled, flush=True)
     if args.out:
         args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 15 + "|\n" + "\n".join(rows)
-                            + f"\n\n{compile_summary()}\n")
+                            + f"\n\n{compiled}\n")
     return 0
 
 
