@@ -4,8 +4,11 @@
 
 Per case (config:batch:context, the configs of ``bench_decode``): the whole step (the GPU drained
 around it, as ``bench_decode`` times it), the graph replay alone (back to back, CUDA events), the
-host time of each phase of ``V4Model.forward``, and the eager step's kernels from the torch
-profiler (count, summed time, top kernels by time). ``SGLANG_DSV4_COMPILE=0`` profiles the
+host time of each phase of ``V4Model.forward``, the eager step's kernels from the torch
+profiler (count, summed time, top kernels by time), and with ``--census`` the eager step's kernel
+launches by the innermost ``sglang_dsv4`` function that issued them (and its caller), from the
+profiler's Python tracer: which code a fusion has to take on next (a graph replays the same
+kernels; on an H200 each small one costs ~2-3 us however little it does). ``SGLANG_DSV4_COMPILE=0`` profiles the
 uncompiled ops (``core.compiled``).
 """
 
@@ -76,11 +79,80 @@ def kernels_of_eager_step(path) -> tuple[int, float, list[tuple[str, int, float]
     return count, total, top
 
 
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",
+            "cudaMemsetAsync")
+
+
+def _site(name: str) -> str | None:
+    """'…/sglang_dsv4/core/ops.py(12): hc_pre' -> 'core/ops.py:hc_pre'; None outside the package
+    and for ``core/compiled.py``'s dispatcher (the fused function's own frame is the site)."""
+    if "sglang_dsv4/" not in name or "compiled.py" in name:
+        return None
+    path, _, fn = name.split("sglang_dsv4/")[-1].partition(": ")
+    return f"{path.split('(')[0]}:{fn}"
+
+
+def launch_census(path) -> tuple[int, list[tuple[str, int, float]]]:
+    """One eager step's kernel launches (and their kernels' GPU time) by (innermost package
+    function <- its caller), from the profiler's trace with the Python tracer on. -> (launches,
+    [(site, launches, kernel ms)] most launches first)."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, path.model.graphs = path.model.graphs, None
+    path.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        path.step()
+        torch.cuda.synchronize()
+    path.model.graphs = graphs
+    fd, trace = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    os.remove(trace)
+    kernel_us = defaultdict(float)  # correlation id -> the kernel's (or copy's) GPU time
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernel_us[e.get("args", {}).get("correlation")] += e["dur"]
+    # sweep per thread: python frames nest, so an open-frame stack gives each launch its frames
+    marks = []
+    for e in events:
+        if e.get("cat") == "python_function":
+            marks.append((e["tid"], e["ts"], 0, e["ts"] + e["dur"], e["name"]))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in LAUNCHES:
+            marks.append((e["tid"], e["ts"], 1, e.get("args", {}).get("correlation"), None))
+    marks.sort(key=lambda m: (m[0], m[1], m[2]))
+    by = defaultdict(lambda: [0, 0.0])
+    stack: list[tuple[float, str]] = []
+    tid = None
+    for t, ts, kind, x, name in marks:
+        if t != tid:
+            tid, stack = t, []
+        while stack and stack[-1][0] <= ts:
+            stack.pop()
+        if kind == 0:
+            stack.append((x, name))
+            continue
+        sites = [s for s in (_site(n) for _, n in reversed(stack)) if s]
+        site = " <- ".join(sites[:2]) if sites else "(outside the package)"
+        by[site][0] += 1
+        by[site][1] += kernel_us.get(x, 0.0) / 1e3
+    total = sum(v[0] for v in by.values())
+    return total, sorted(((k, v[0], v[1]) for k, v in by.items()), key=lambda r: -r[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="tiny:1:1024,flash8:1:16384,flash8:64:16384")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--weights", default="bf16", help="bf16 or fp8 (bench_decode's weight modes)")
+    ap.add_argument("--census", type=int, default=0, metavar="N",
+                    help="print the N call sites that launch the most kernels in an eager step")
     args = ap.parse_args()
     timer = PhaseTimer()
     from sglang_dsv4.srt.state import SglangV4Cache
@@ -117,6 +189,12 @@ def main() -> None:
         print("host ms per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         for name, cnt, ms in top:
             print(f"  {ms:8.3f} ms  {cnt:5d}x  {name}")
+        if args.census:
+            launches, sites = launch_census(path)
+            print(f"launches by call site ({launches} in the eager step; kernel ms = their GPU time):")
+            print("| launches | kernel ms | where (innermost <- caller) |\n|---|---|---|")
+            for site, cnt, ms in sites[:args.census]:
+                print(f"| {cnt} | {ms:.3f} | {site} |")
         summary.append((case, 1e3 * statistics.median(wall), rep, n, ktotal, phases.get("forward (all)", 0)))
         del path, w
         torch.cuda.empty_cache()

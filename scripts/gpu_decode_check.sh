@@ -10,8 +10,9 @@
 # .whl holds the sgl_flash_mla wheel (see gpu_check.sh). .srt-site (scripts/build_srt_site.sh), when
 # carried, puts SGLang on the path as in the server, so the tests and the benchmark run the SGLang
 # kernels the server runs (kernels/hc_split.py). .bench-prev, when carried, holds an earlier
-# commit's package: bench_decode then runs first on it, in its own process without SGLang (the
-# "before" table), then on this tree. .bench-old/sglang_dsv4_old is 521fd56's per-request path
+# commit's package: bench_decode then runs first on it, in its own process with the same path (the
+# "before" table; PREV_NO_SRT=1 leaves SGLang off its path, for a package older than hc_split.py),
+# then on this tree. .bench-old/sglang_dsv4_old is 521fd56's per-request path
 # (bench_decode's `old` rows). BENCH_ARGS go to bench_decode, e.g.
 #   BENCH_ARGS='--configs flash8,flash43 --batches 1,16,64,256 --contexts 1024,16384,65536 --weights bf16,fp8'
 #   BENCH_ARGS='--configs flash8 --batches 1,64 --contexts 16384 --paths graphs,graphs-det --weights fp8'
@@ -20,7 +21,9 @@
 # (the first steps of a process compile the fused ops: allow a minute or two per config; bench_decode
 # prints how many graphs it compiled and the seconds it took). SGLANG_DSV4_COMPILE=0 in front runs
 # everything with eager ops: a short call's way to the tests and the deterministic mode's cost
-# (session 8: GPU tests + flash8 B1/B64 graphs vs graphs-det in 106 s).
+# (session 8: GPU tests + flash8 B1/B64 graphs vs graphs-det in 106 s); TEST_COMPILE=0 does it for
+# the tests alone. PROFILE_ARGS, when set, run benchmarks/profile_decode.py last (e.g.
+# PROFILE_ARGS='--cases flash8:1:16384 --weights fp8 --census 40': launches per call site).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -57,11 +60,13 @@ PY
 trap save_caches EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
-timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider ${TESTS:-tests/core/test_step_gpu.py tests/core/test_deterministic_gpu.py tests/srt/test_state_gpu.py tests/kernels/test_flashmla_gpu.py tests/kernels/test_fp8_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+SGLANG_DSV4_COMPILE=${TEST_COMPILE:-${SGLANG_DSV4_COMPILE:-1}} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider ${TESTS:-tests/core/test_step_gpu.py tests/core/test_deterministic_gpu.py tests/srt/test_state_gpu.py tests/kernels/test_flashmla_gpu.py tests/kernels/test_fp8_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 rc=${PIPESTATUS[0]}
 if [ -d .bench-prev/sglang_dsv4 ]; then
-  echo "--- before: .bench-prev's package, no SGLang on the path"
-  PYTHONPATH=/tmp/site:$PWD/.bench-prev:$PWD timeout ${PREV_TIMEOUT:-300} python3 -m benchmarks.bench_decode \
+  prev_paths=$PATHS
+  [ -n "${PREV_NO_SRT:-}" ] && prev_paths=/tmp/site
+  echo "--- before: .bench-prev's package (path $prev_paths)"
+  PYTHONPATH=$prev_paths:$PWD/.bench-prev:$PWD timeout ${PREV_TIMEOUT:-300} python3 -m benchmarks.bench_decode \
     --out "$OUT/decode_prev.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_prev.log" | grep "^|"
 fi
 old=()
@@ -75,6 +80,10 @@ if [ -n "${GENERIC_TOO:-}" ]; then
   SGLANG_DSV4_COMPILE=generic TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generic TRITON_CACHE_DIR=/tmp/inductor-generic/triton \
     timeout ${GENERIC_TIMEOUT:-300} python3 -m benchmarks.bench_decode --out "$OUT/decode_generic.md" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_generic.log" | grep "^|\|captured\|compiled graphs\|Error"
+fi
+if [ -n "${PROFILE_ARGS:-}" ]; then
+  echo "--- profile_decode $PROFILE_ARGS"
+  timeout ${PROFILE_TIMEOUT:-300} python3 -m benchmarks.profile_decode $PROFILE_ARGS 2>&1 | tee "$OUT/profile.log" | tail -80
 fi
 echo "--- GPU tests exit status $rc"
 exit "$rc"
