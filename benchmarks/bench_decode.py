@@ -278,7 +278,7 @@ def profile_step(path, n: int = 3) -> tuple[float, float, float]:
         return any(a <= e.time_range.start and e.time_range.end <= b for a, b in steps)
 
     launches = syncs = 0
-    busy = 0.0
+    kernels = []
     for e in events:
         name = e.name
         if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
@@ -286,7 +286,14 @@ def profile_step(path, n: int = 3) -> tuple[float, float, float]:
         elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"):
             syncs += in_step(e)
         if e.device_type.name == "CUDA":
-            busy += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            kernels.append((e.time_range.start, e.time_range.end))
+    # the union of the GPU's busy intervals: an event listed twice (or overlapping another on
+    # a second stream) counts once; summing durations read over 100% with the CPU activity on
+    busy, reach = 0.0, float("-inf")
+    for a, b in sorted(kernels):
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
     return launches / n, syncs / n, 100 * busy / 1e6 / wall
 
 

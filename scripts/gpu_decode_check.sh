@@ -5,7 +5,7 @@
 #   git archive 521fd56 sglang_dsv4 | tar -x -C .bench-old && mv .bench-old/sglang_dsv4 .bench-old/sglang_dsv4_old
 #   mkdir -p .bench-prev && git archive COMMIT sglang_dsv4 | tar -x -C .bench-prev   # optional
 #   run(command="bash scripts/gpu_decode_check.sh", carry=[".whl", ".bench-old", ".srt-site", ".bench-prev", ".inductor-cache"])
-#   mkdir -p .inductor-cache && cp FILES_AT/inductor-cache.tar.xz .inductor-cache/   # after a call: the next starts warm
+#   rm -rf .inductor-cache && mkdir .inductor-cache && cp FILES_AT/inductor-cache.tar.xz* .inductor-cache/   # after a call: the next starts warm
 #
 # .whl holds the sgl_flash_mla wheel (see gpu_check.sh). .srt-site (scripts/build_srt_site.sh), when
 # carried, puts SGLang on the path as in the server, so the tests and the benchmark run the SGLang
@@ -24,6 +24,8 @@
 # (session 8: GPU tests + flash8 B1/B64 graphs vs graphs-det in 106 s); TEST_COMPILE=0 does it for
 # the tests alone. PROFILE_ARGS, when set, run benchmarks/profile_decode.py last (e.g.
 # PROFILE_ARGS='--cases flash8:1:16384 --weights fp8 --census 40': launches per call site).
+# TESTS_COMPILED: GPU tests run a second time with compilation on (the fused regions' own tests);
+# PREV_ARGS: bench_decode's arguments for .bench-prev when they differ from BENCH_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -37,10 +39,12 @@ fi
 export PYTHONPATH=$PATHS:$PWD PYTHONUNBUFFERED=1
 # Inductor's and Triton's compile caches: a cold process compiles the fused ops for a minute or
 # two per config (92 s for flash8's first 16K prefill), most of a call. The caches go back in
-# $OUT/inductor-cache.tar.xz; copied to .inductor-cache/ here and carried, the next call starts warm.
+# $OUT/inductor-cache.tar.xz (in 14 MiB parts when larger); copied to .inductor-cache/ here and
+# carried, the next call starts warm.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
-if [ -f .inductor-cache/inductor-cache.tar.xz ]; then
-  python3 -c "import tarfile; tarfile.open('.inductor-cache/inductor-cache.tar.xz').extractall('/tmp', filter='data')" \
+if ls .inductor-cache/inductor-cache.tar.xz* >/dev/null 2>&1; then
+  cat $(ls .inductor-cache/inductor-cache.tar.xz* | sort) > /tmp/inductor-cache.tar.xz
+  python3 -c "import tarfile; tarfile.open('/tmp/inductor-cache.tar.xz').extractall('/tmp', filter='data')" \
     && echo "compile caches: warm ($(du -sh /tmp/inductor-cache | cut -f1))"
 fi
 save_caches() {
@@ -51,10 +55,14 @@ if not os.path.isdir("/tmp/inductor-cache"):
     sys.exit(0)
 with tarfile.open(out, "w:xz", preset=1) as t:  # fast: the caches are mostly text
     t.add("/tmp/inductor-cache", arcname="inductor-cache")
-size = os.path.getsize(out)
-if size > 15 * 2**20:  # what $OUT can hand back per file
+size, part = os.path.getsize(out), 14 * 2**20  # $OUT hands back files of up to 15 MiB
+if size > part:  # in parts (.part00, .part01, ...), which the restore above concatenates
+    with open(out, "rb") as f:
+        for i, chunk in enumerate(iter(lambda: f.read(part), b"")):
+            with open(f"{out}.part{i:02d}", "wb") as p:
+                p.write(chunk)
     os.remove(out)
-print(f"compile caches: {size / 2**20:.1f} MiB compressed" + (" (too large to return)" if size > 15 * 2**20 else ""))
+print(f"compile caches: {size / 2**20:.1f} MiB compressed")
 PY
 }
 trap save_caches EXIT
@@ -62,12 +70,17 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 python3 -c "import torch; print('torch', torch.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
 SGLANG_DSV4_COMPILE=${TEST_COMPILE:-${SGLANG_DSV4_COMPILE:-1}} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider ${TESTS:-tests/core/test_step_gpu.py tests/core/test_deterministic_gpu.py tests/srt/test_state_gpu.py tests/kernels/test_flashmla_gpu.py tests/kernels/test_fp8_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 rc=${PIPESTATUS[0]}
+if [ -n "${TESTS_COMPILED:-}" ]; then  # tests of the fused regions themselves: compilation on
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider $TESTS_COMPILED 2>&1 \
+    | tee "$OUT/pytest_gpu_compiled.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
 if [ -d .bench-prev/sglang_dsv4 ]; then
   prev_paths=$PATHS
   [ -n "${PREV_NO_SRT:-}" ] && prev_paths=/tmp/site
   echo "--- before: .bench-prev's package (path $prev_paths)"
   PYTHONPATH=$prev_paths:$PWD/.bench-prev:$PWD timeout ${PREV_TIMEOUT:-300} python3 -m benchmarks.bench_decode \
-    --out "$OUT/decode_prev.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_prev.log" | grep "^|"
+    --out "$OUT/decode_prev.md" ${PREV_ARGS:-${BENCH_ARGS:-}} 2>&1 | tee "$OUT/bench_prev.log" | grep "^|"
 fi
 old=()
 [ -d .bench-old/sglang_dsv4_old ] && old=(--old-root .bench-old)

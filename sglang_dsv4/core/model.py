@@ -359,7 +359,7 @@ class V4Model:
             q, kv, step, ring=cache.slot_state["ring"][:, layer],
             ring_layout=cache.layout.ring, comp_idx=comp_idx, entry_table=table,
             entries=entries, entry_layout=entry_layout, sink=w["attn.attn_sink"], scale=cfg.softmax_scale,
-            decode_kernel=not self.deterministic))
+            decode_kernel=not self.deterministic, ratio=ratio))
         out = ops.attention_output(o, w, pos, freqs, cfg)
         return self.parallel.reduce_attention(out) if self.parallel else out
 

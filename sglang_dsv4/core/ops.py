@@ -414,18 +414,40 @@ def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
     """Top-min(k, visible) entries per row among j < num_visible[t]; -1 pads. -> [T, k].
 
     Ties break toward the lower entry index (stable sort), so the choice does not depend on how
-    many invisible entries a row carries.
+    many invisible entries a row carries. float32 scores take one top-k over unique integer keys
+    (``_stable_topk``: the same entries in the same order, a few kernels on a GPU where the
+    stable sort of the whole row is a dozen); other dtypes the sort itself.
     """
     n = scores.shape[1]
     j = torch.arange(n, device=scores.device)
     visible = j[None, :] < num_visible[:, None]
     masked = scores.masked_fill(~visible, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+    if masked.dtype == torch.float32:
+        order = _stable_topk(masked, min(k, n))
+    else:
+        order = _sorted_topk(masked, k)
     keep = torch.arange(order.shape[1], device=scores.device)[None, :] < num_visible[:, None]
     order = torch.where(keep, order, -1)
     if order.shape[1] < k:
         order = F.pad(order, (0, k - order.shape[1]), value=-1)
     return order
+
+
+def _sorted_topk(x: Tensor, k: int) -> Tensor:
+    """The first k (at most) columns of each row in a stable descending sort: the definition."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _stable_topk(x: Tensor, k: int) -> Tensor:
+    """``_sorted_topk`` of float32 rows by ``torch.topk`` over unique int64 keys: the value's
+    bits made order-preserving in the high half (negative floats' magnitude bits flipped; -0 taken
+    as +0, which the sort ranks equal), n - 1 - column in the low half (ties: lower column
+    first). The keys are distinct, so the top-k and its order are exactly the sort's."""
+    n = x.shape[1]
+    bits = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    packed = (key.to(torch.int64) << 32) + (n - 1 - torch.arange(n, device=x.device))
+    return torch.topk(packed, k, dim=-1).indices
 
 
 # ---- MoE (§6) ------------------------------------------------------------------------------

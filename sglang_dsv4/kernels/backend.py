@@ -55,6 +55,8 @@ class AttnBatch:
     scale: float
     decode_kernel: bool = True  # False: a decode step too goes through the prefill kernel (the
     #                             deterministic mode: one kernel for every step, split by nothing)
+    ratio: int = 0             # the layer's compress ratio: layers of one ratio attend alike-sized
+    #                             sets in a step (the decode kernel's schedule is shared by them)
 
     @property
     def window(self) -> int:

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..core.compiled import on_gpu
 from ..quant import FP8_MAX, FP8_WEIGHT_BLOCK, dequantize_fp8_blockwise, pow2_scale
 
 Tensor = torch.Tensor
@@ -111,9 +112,11 @@ def weight_nbytes(t) -> int:
 
 # ---- activation quantisation -----------------------------------------------------------------
 
+@on_gpu(rows={"x": (0,)})
 def quantize_act(x: Tensor, group: int = ACT_GROUP) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (e4m3 [M, Kp], float32 scales [M, Kp / group]), Kp = K rounded up to ``group``
-    (zero padding). Scale per group: 2^ceil(log2(max(amax, 1e-4) / 448))."""
+    (zero padding). Scale per group: 2^ceil(log2(max(amax, 1e-4) / 448)). One fused region on
+    the GPU where the caller is not one already (``core.compiled``)."""
     M, K = x.shape
     Kp = math.ceil(K / group) * group
     xf = x.float()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
 from .expert_rows import expert_rows
 from .fp8_linear import Fp8Weight, fp8_gemm, quantize_act
@@ -89,33 +90,59 @@ def block_rows(pairs: int) -> int:
 def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Experts, first_expert: int,
                         limit: float) -> Tensor:
     """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the local experts
-    ``first_expert .. first_expert + E - 1`` -> [T, D] in x's dtype."""
+    ``first_expert .. first_expert + E - 1`` -> [T, D] in x's dtype.
+
+    Between the two GEMM launches the work is three fused regions on the GPU (``core.compiled``):
+    the row layout with each row's token and gate, V4's activation with its quantisation, and the
+    slot sum (about 70 small kernels per layer as separate torch ops)."""
     T, k = chosen.shape
     E, P = experts.num_experts, chosen.numel()
     A = block_rows(P)
     M = math.ceil((P + min(P, E) * (A - 1)) / A) * A  # room for every expert's padding
-    dev = x.device
-    rows = expert_rows(chosen, first_expert, E, A, M)
-    ends, pair_of_row = rows.ends, rows.pair_of_row
-    dest_of_pair = torch.empty(P, dtype=torch.long, device=dev)
-    dest_of_pair[rows.order] = rows.dest
-    block_start = torch.arange(0, M, A, device=dev)
-    block_expert = torch.searchsorted(ends, block_start, right=True)     # E: past the last group
-    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
-    token_of_row = torch.where(pair_of_row < P, pair_of_row // k, -1).to(torch.int32)
-
+    token_of_row, block_expert, dest_of_pair, gate_of_row = _row_layout(chosen, gates, first_expert, E, A, M)
     xq, xs = quantize_act(x)
     h = fp8_gemm(xq, xs, experts.w13, torch.float32, rows=token_of_row, block_expert=block_expert, block_m=A)
-    I, Ip = experts.inter, experts.inter_padded
-    g, u = h[:, :I], h[:, Ip:Ip + I]
+    yq, ys = _gated_swiglu_quantised(h, gate_of_row, experts.inter, experts.inter_padded, limit)
+    out = fp8_gemm(yq, ys, experts.w2, x.dtype, block_expert=block_expert, block_m=A)
+    return _sum_slots(out, dest_of_pair, k)
+
+
+@on_gpu(rows={"chosen": (0,), "gates": (0,)})
+def _row_layout(chosen: Tensor, gates: Tensor, first_expert: int, num_experts: int, block_m: int,
+                num_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The grouped GEMMs' row layout (``expert_rows``, groups padded to ``block_m``) -> (token of
+    each row [M] int32, -1 padding; expert of each block of rows [M / block_m] int32, -1 past the
+    last group; row of each (token, slot) pair [P], M for a pair held elsewhere; gate of each row
+    [M] float32, 0 for padding)."""
+    k, P, E = chosen.shape[1], chosen.numel(), num_experts
+    rows = expert_rows(chosen, first_expert, E, block_m, num_rows)
+    dest_of_pair = torch.empty(P, dtype=torch.long, device=chosen.device)
+    dest_of_pair[rows.order] = rows.dest
+    block_start = torch.arange(0, num_rows, block_m, device=chosen.device)
+    block_expert = torch.searchsorted(rows.ends, block_start, right=True)     # E: past the last group
+    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
+    token_of_row = torch.where(rows.pair_of_row < P, rows.pair_of_row // k, -1).to(torch.int32)
+    gate_of_row = torch.cat((gates.flatten().float(), gates.new_zeros(1, dtype=torch.float32)))[rows.pair_of_row]
+    return token_of_row, block_expert, dest_of_pair, gate_of_row
+
+
+@on_gpu(rows={"h": (0,), "gate_of_row": (0,)})
+def _gated_swiglu_quantised(h: Tensor, gate_of_row: Tensor, inter: int, inter_padded: int,
+                            limit: float) -> tuple[Tensor, Tensor]:
+    """GEMM 1's rows [M, 2 Ip] (w1 | w3) -> V4's clamped SwiGLU times the row's gate, quantised
+    for GEMM 2 (``quantize_act``)."""
+    g, u = h[:, :inter], h[:, inter_padded:inter_padded + inter]
     if limit > 0:  # swiglu_limit 0 means no clamp
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    gate_of_row = torch.cat((gates.flatten().float(), gates.new_zeros(1, dtype=torch.float32)))[pair_of_row]
-    y = (F.silu(g) * u) * gate_of_row[:, None]
-    yq, ys = quantize_act(y)
-    out = fp8_gemm(yq, ys, experts.w2, x.dtype, block_expert=block_expert, block_m=A)
-    pairs = torch.cat((out, out.new_zeros(1, out.shape[1])))[dest_of_pair]  # M: a dropped pair
-    return pairs.view(T, k, -1).sum(1)
+    return quantize_act((F.silu(g) * u) * gate_of_row[:, None])
+
+
+@on_gpu(rows={"out": (0,), "dest_of_pair": (0,)})
+def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int) -> Tensor:
+    """GEMM 2's rows -> each token's sum over its k slots, in slot order (deterministic); a
+    pair held elsewhere (row M) adds zero."""
+    pairs = torch.cat((out, out.new_zeros(1, out.shape[1])))[dest_of_pair]
+    return pairs.view(-1, k, out.shape[1]).sum(1)
 
 
 __all__ = ["Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows"]

@@ -35,9 +35,14 @@ class SparseKernels(Protocol):
 
     name: str
 
+    def new_sched(self) -> Any:
+        """A decode schedule to share between calls with identical shapes and lengths (None:
+        the kernels keep none)."""
+
     def decode(self, q: Tensor, cache: Tensor, layout: Any, indices: Tensor, lengths: Tensor | None,
                sink: Tensor, scale: float, extra_cache: Tensor | None = None, extra_layout: Any = None,
-               extra_indices: Tensor | None = None, extra_lengths: Tensor | None = None) -> Tensor: ...
+               extra_indices: Tensor | None = None, extra_lengths: Tensor | None = None,
+               sched: Any = None) -> Tensor: ...
 
     def prefill(self, q: Tensor, kv: Tensor, indices: Tensor, sink: Tensor, scale: float) -> Tensor: ...
 
@@ -113,8 +118,12 @@ class SparseMLABackend(AttentionBackend):
                                          _round_up(max(b.comp_idx.shape[1], 1), INDEX_BLOCK))
             extra = dict(extra_cache=b.entries, extra_layout=b.entry_layout,
                          extra_indices=rows.contiguous(), extra_lengths=counts)
+        # FlashMLA's tile schedule depends on the shapes and the lengths only, which every layer of
+        # one ratio shares in a step (window lengths from the positions; entry counts from the
+        # ratio's table and top-k): it is computed by the first such layer and reused by the rest
+        sched = st.derived(("decode_sched", b.ratio, W), self.kernels.new_sched)
         out = self.kernels.decode(b.q.to(self.dtype).unsqueeze(1), b.ring, b.ring_layout, idx, lengths,
-                                  b.sink.float().contiguous(), b.scale, **extra)
+                                  b.sink.float().contiguous(), b.scale, sched=sched, **extra)
         return out[:, 0].to(b.q.dtype)
 
     # ---- prefill ---------------------------------------------------------------------------------

@@ -33,10 +33,13 @@ class TorchSparseKernels:
 
     name = "torch-ref"
 
+    def new_sched(self) -> None:
+        return None  # nothing to schedule
+
     def decode(self, q: Tensor, cache: Tensor, layout: V4Fp8Rows, indices: Tensor, lengths: Tensor | None,
                sink: Tensor, scale: float, extra_cache: Tensor | None = None,
                extra_layout: V4Fp8Rows | None = None, extra_indices: Tensor | None = None,
-               extra_lengths: Tensor | None = None) -> Tensor:
+               extra_lengths: Tensor | None = None, sched: None = None) -> Tensor:
         """q [B, S, H, D]; indices [B, S, K] int32; lengths [B] -> out [B, S, H, D] float32."""
         B, S, H, D = q.shape
         keys, valid = _gather(cache, layout, indices, lengths)

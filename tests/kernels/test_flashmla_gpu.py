@@ -63,18 +63,15 @@ def fill(layout: V4Fp8Rows, buf: torch.Tensor, g: torch.Generator) -> None:
 
 # ---- kernels ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("heads", [32, 64, 128])  # 32: a TP rank's share, padded to 64
-@pytest.mark.parametrize("ratio", [0, 4, 128])
-@pytest.mark.parametrize("batch, with_lengths", [(1, False), (37, True)])
-def test_decode_matches_reference(kernels, heads, ratio, batch, with_lengths):
-    """Ring as the main cache (a strided layer slice, pages of 128), entries as the extra cache
-    (pages of 64); -1 holes inside both index lists; lengths cutting valid indices off."""
-    g = torch.Generator(device="cuda").manual_seed(1000 * heads + 10 * ratio + batch)
+def decode_case(g: torch.Generator, heads: int, ratio: int, batch: int, with_lengths: bool, layer: int = 1):
+    """Decode operands: the ring as the main cache (a strided layer slice, pages of 128), entries
+    as the extra cache (pages of 64); -1 holes inside both index lists; lengths cutting valid
+    indices off. -> (decode's positional args, its extra-cache kwargs)."""
     W, dev = 128, "cuda"
     ring_lay, ent_lay = V4Fp8Rows(W), V4Fp8Rows(64)
     ring = ring_lay.alloc(batch + 3, 3, device=dev)
-    fill(ring_lay, ring[:, 1], g)
-    layer = ring[:, 1]
+    fill(ring_lay, ring[:, layer], g)
+    ring_layer = ring[:, layer]
     slots = torch.randperm(batch + 3, generator=g, device=dev)[:batch]
     pos = torch.randint(0, 3000, (batch,), generator=g, device=dev)
     pos[0] = 5  # a short window
@@ -104,11 +101,39 @@ def test_decode_matches_reference(kernels, heads, ratio, batch, with_lengths):
                      extra_lengths=ext_len)
     q = torch.randn(batch, 1, heads, 512, generator=g, device=dev).bfloat16()
     sink = torch.randn(heads, generator=g, device=dev)
-    args = (q, layer, ring_lay, idx.to(torch.int32).unsqueeze(1), lengths, sink, 512**-0.5)
+    return (q, ring_layer, ring_lay, idx.to(torch.int32).unsqueeze(1), lengths, sink, 512**-0.5), extra
+
+
+@pytest.mark.parametrize("heads", [32, 64, 128])  # 32: a TP rank's share, padded to 64
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("batch, with_lengths", [(1, False), (37, True)])
+def test_decode_matches_reference(kernels, heads, ratio, batch, with_lengths):
+    g = torch.Generator(device="cuda").manual_seed(1000 * heads + 10 * ratio + batch)
+    args, extra = decode_case(g, heads, ratio, batch, with_lengths)
     out = kernels.decode(*args, **extra)
     err = rel(out, REF.decode(*args, **extra))
     report("decode", heads=heads, ratio=ratio, batch=batch, lengths=with_lengths, rel_err=err)
     assert err < 5e-3
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_a_shared_schedule_gives_each_calls_own_result(kernels, ratio):
+    """Layers of one ratio share the decode schedule in a step (``sparse_mla``): two calls with
+    the same shapes and lengths over other queries and caches, the second reusing the first's
+    schedule, equal the calls with their own schedules bit for bit."""
+    cases = []
+    for layer in (0, 2):
+        g = torch.Generator(device="cuda").manual_seed(7 + ratio)  # the same indices and lengths
+        args, extra = decode_case(g, 64, ratio, 37, True, layer)
+        q = torch.randn(args[0].shape, generator=torch.Generator(device="cuda").manual_seed(layer),
+                        device="cuda").bfloat16()
+        cases.append(((q,) + args[1:], extra))
+    own = [kernels.decode(*a, **e) for a, e in cases]
+    sched = kernels.new_sched()
+    shared = [kernels.decode(*a, **e, sched=sched) for a, e in cases]
+    assert not torch.equal(own[0], own[1])
+    for o, s in zip(own, shared):
+        assert torch.equal(o, s)
 
 
 @pytest.mark.parametrize("heads", [32, 64, 128])

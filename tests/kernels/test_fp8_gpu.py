@@ -38,6 +38,7 @@ from sglang_dsv4.checkpoint.loader import keeps_fp8, logical_from_stored
 from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
 from sglang_dsv4.checkpoint.writer import random_stored
 from sglang_dsv4.config import V4Config
+from sglang_dsv4.core import compiled
 from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.kernels import fp8_moe
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_reference, fp8_linear, fp8_linear_reference
@@ -106,6 +107,36 @@ def test_fp8_linear_matches_the_torch_reference(nk):
     # mantissa bits, as the DeepSeek-V3 report measured): ~1.4e-4 per row was seen on the H200.
     # Smaller tiles (mma.sync) match to ~1e-7. A wrong scale or row is an error of order 1.
     assert max(worst.values()) < 1e-3, worst
+
+
+@pytest.mark.skipif(not compiled.ENABLED, reason="the fused regions are off (SGLANG_DSV4_COMPILE=0)")
+@pytest.mark.parametrize("first, local", [(0, 32), (16, 16)])
+def test_grouped_fp8_experts_fused_regions_give_the_eager_result(first, local, monkeypatch):
+    """The routed experts' row layout, activation and slot sum compiled (``fp8_moe``'s on_gpu
+    regions) against the same functions eager, the GEMMs the same kernel: the layout is integers
+    (equal), the rest elementwise (Inductor's SiLU may round differently, then flip an e4m3 bin)."""
+    g = torch.Generator(device=DEV).manual_seed(2)
+    D, I, E, k = 4096, 2048, 32, 6
+    stack, _ = stack_fp8_experts([_fp8(I, D, g) for _ in range(local)], [_fp8(I, D, g) for _ in range(local)],
+                                 [_fp8(D, I, g) for _ in range(local)])
+    for T in (1, 64, 300):
+        x = torch.randn(T, D, generator=g, device=DEV)
+        chosen = torch.rand(T, E, generator=g, device=DEV).argsort(1)[:, :k]
+        gates = torch.rand(T, k, generator=g, device=DEV)
+        P, A = T * k, fp8_moe.block_rows(T * k)
+        M = -(-(P + min(P, local) * (A - 1)) // A) * A
+        fused_layout = fp8_moe._row_layout(chosen, gates, first, local, A, M)
+        fused = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
+        with monkeypatch.context() as mp:
+            mp.setattr(compiled, "ENABLED", False)
+            eager_layout = fp8_moe._row_layout(chosen, gates, first, local, A, M)
+            eager = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
+        for a, b in zip(fused_layout, eager_layout):
+            assert torch.equal(a, b)
+        err = _rel(fused, eager)
+        report("fp8_grouped_experts_fused_vs_eager", tokens=T, first=first, local=local,
+               equal=torch.equal(fused, eager), max_rel_err=err.max().item())
+        assert err.max() < 2e-2, err.max().item()
 
 
 @pytest.mark.parametrize("first, local", [(0, 32), (16, 16)])
