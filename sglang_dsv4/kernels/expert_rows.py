@@ -17,31 +17,32 @@ Tensor = torch.Tensor
 
 @dataclass
 class ExpertRows:
-    """Where each pair sits: ``ends[e]`` the end row of expert e's padded group, ``order`` the
-    pairs sorted by expert, ``dest[i]`` the row of sorted pair i (``num_rows``: held elsewhere),
-    ``pair_of_row[m]`` the pair in row m (P = the number of pairs: a padding row)."""
+    """Where each pair sits: ``ends[e]`` the end row of expert e's padded group, ``dest_of_pair[i]``
+    the row of pair i (``num_rows`` for a pair not held here), ``pair_of_row[m]`` the pair in row
+    m (P = the number of pairs: a padding row). Within a group the pairs keep their order."""
 
     ends: Tensor
-    order: Tensor
-    dest: Tensor
+    dest_of_pair: Tensor
     pair_of_row: Tensor
 
 
 def expert_rows(chosen: Tensor, first_expert: int, num_experts: int, align: int, num_rows: int) -> ExpertRows:
     """Rows for the pairs of ``chosen`` [T, k] among experts first_expert .. + num_experts - 1;
-    ``num_rows`` must leave room for every group's padding."""
+    ``num_rows`` must leave room for every group's padding.
+
+    A pair's rank in its group is the count of earlier pairs routed to the same expert, a
+    running count over a one-hot [P, E + 1] (no sort: a few fused kernels on a GPU where a stable
+    argsort is a dozen, for the P of a decode step; int32 keeps a long prefill's table small)."""
     E, P, dev = num_experts, chosen.numel(), chosen.device
     local = chosen.flatten().long() - first_expert
     e = torch.where((local >= 0) & (local < E), local, E)             # E: not held here
-    # (torch.bincount syncs on CUDA to size its output: a scatter-add of known size does not)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, e, torch.ones_like(e))[:E]
+    seen = torch.cumsum((e[:, None] == torch.arange(E + 1, device=dev)).to(torch.int32), 0, dtype=torch.int32)
+    counts = seen[-1, :E].long()
     padded = (counts + align - 1) // align * align
     ends = torch.cumsum(padded, 0)
-    order = torch.argsort(e, stable=True)
-    es = e[order]
-    esc = es.clamp(max=E - 1)
-    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[esc]
-    dest = torch.where(es < E, ends[esc] - padded[esc] + rank, num_rows)
+    rank = seen.gather(1, e[:, None]).squeeze(1).long() - 1
+    esc = e.clamp(max=E - 1)
+    dest = torch.where(e < E, ends[esc] - padded[esc] + rank, num_rows)
     pair_of_row = torch.full((num_rows + 1,), P, dtype=torch.long, device=dev)
-    pair_of_row[dest] = order
-    return ExpertRows(ends, order, dest, pair_of_row[:num_rows])
+    pair_of_row[dest] = torch.arange(P, device=dev)
+    return ExpertRows(ends, dest, pair_of_row[:num_rows])

@@ -188,13 +188,16 @@ def split_k(tiles: int, k_blocks: int, sms: int) -> tuple[int, int]:
 
 @torch.compiler.disable  # a graph break where a compiled caller (core.compiled) reaches the kernel launch
 def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, rows: Tensor | None = None,
-             block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None) -> Tensor:
+             block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None,
+             sum_splits: bool = True) -> Tensor:
     """[M, N] = (dequantised rows of A) @ dequant(w)^T in fp32, stored as ``out_dtype``.
 
     a_q [Ma, Kp] e4m3 and a_s [Ma, Kp/128] from ``quantize_act``; w [N, K] (or [E, N, K] with
     ``block_expert`` [M / block_m] int32: the expert of each block of ``block_m`` output rows,
     -1 = zeros). ``rows`` [M] int32 (-1 = a zero row) gathers A's rows; default row m = m.
     The Triton kernel on CUDA, ``fp8_gemm_reference`` elsewhere (the same result).
+    ``sum_splits=False``: where K is split (``split_k``), the fp32 partial products [S, M, N]
+    instead, for a compiled caller to add (``add_splits``) inside its own next kernel.
     """
     if a_q.device.type != "cuda" and not INTERPRET:
         return fp8_gemm_reference(a_q, a_s, w, out_dtype, rows, block_expert, block_m, m)
@@ -223,14 +226,24 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
         a_q.stride(0), a_s.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), N, M * N,
         HAS_ROWS=rows is not None, GROUPED=grouped, **cfg)
     if splits > 1:
+        if not sum_splits:
+            return part
         split_k_sum_kernel[(triton.cdiv(M * N, SPLIT_K_SUM_BLOCK),)](part, c, M * N, SPLIT_K=splits,
                                                                       BLOCK=SPLIT_K_SUM_BLOCK)
     return c
 
 
+def add_splits(part: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The split-K partials [S, M, N] -> [M, N] in ``out_dtype``, added in ``split_k_sum_kernel``'s
+    order (P[0] + P[1] + ... in fp32: the same bits)."""
+    return functools.reduce(torch.add, part.unbind(0)).to(out_dtype)
+
+
 def fp8_gemm_reference(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, rows: Tensor | None = None,
-                       block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None) -> Tensor:
-    """What ``fp8_gemm`` computes, in torch float32 (dequantise, then matmul)."""
+                       block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None,
+                       sum_splits: bool = True) -> Tensor:
+    """What ``fp8_gemm`` computes, in torch float32 (dequantise, then matmul; K is never split,
+    so ``sum_splits`` changes nothing)."""
     N, K = w.q.shape[-2:]
     a = dequantize_act(a_q, a_s, K)
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
@@ -251,9 +264,13 @@ def fp8_gemm_reference(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.
 
 def fp8_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     """x [M, K] @ dequant(w).T with x quantised as V4's QAT does (fp8 e4m3, groups of 128, ue8m0
-    scales) -> [M, N] in x's dtype."""
+    scales) -> [M, N] in x's dtype. Traced inside a fused region (``core.compiled``), a split-K
+    GEMM's partials are added by the region's next kernel: one launch fewer than the sum kernel."""
     q, s = quantize_act(x)
-    return fp8_gemm(q, s, w, x.dtype)
+    if not torch.compiler.is_compiling():
+        return fp8_gemm(q, s, w, x.dtype)
+    out = fp8_gemm(q, s, w, x.dtype, sum_splits=False)
+    return out if out.dim() == 2 else add_splits(out, x.dtype)
 
 
 def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:

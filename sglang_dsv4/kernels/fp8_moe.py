@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
 from .expert_rows import expert_rows
-from .fp8_linear import Fp8Weight, fp8_gemm, quantize_act
+from .fp8_linear import Fp8Weight, add_splits, fp8_gemm, quantize_act
 
 Tensor = torch.Tensor
 
@@ -101,10 +101,12 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     M = math.ceil((P + min(P, E) * (A - 1)) / A) * A  # room for every expert's padding
     token_of_row, block_expert, dest_of_pair, gate_of_row = _row_layout(chosen, gates, first_expert, E, A, M)
     xq, xs = quantize_act(x)
-    h = fp8_gemm(xq, xs, experts.w13, torch.float32, rows=token_of_row, block_expert=block_expert, block_m=A)
+    # each GEMM's split-K partials (if K is split) are added by the region after it
+    h = fp8_gemm(xq, xs, experts.w13, torch.float32, rows=token_of_row, block_expert=block_expert, block_m=A,
+                 sum_splits=False)
     yq, ys = _gated_swiglu_quantised(h, gate_of_row, experts.inter, experts.inter_padded, limit)
-    out = fp8_gemm(yq, ys, experts.w2, x.dtype, block_expert=block_expert, block_m=A)
-    return _sum_slots(out, dest_of_pair, k)
+    out = fp8_gemm(yq, ys, experts.w2, x.dtype, block_expert=block_expert, block_m=A, sum_splits=False)
+    return _sum_slots(out, dest_of_pair, k, x.dtype)
 
 
 @on_gpu(rows={"chosen": (0,), "gates": (0,)})
@@ -116,31 +118,33 @@ def _row_layout(chosen: Tensor, gates: Tensor, first_expert: int, num_experts: i
     [M] float32, 0 for padding)."""
     k, P, E = chosen.shape[1], chosen.numel(), num_experts
     rows = expert_rows(chosen, first_expert, E, block_m, num_rows)
-    dest_of_pair = torch.empty(P, dtype=torch.long, device=chosen.device)
-    dest_of_pair[rows.order] = rows.dest
     block_start = torch.arange(0, num_rows, block_m, device=chosen.device)
     block_expert = torch.searchsorted(rows.ends, block_start, right=True)     # E: past the last group
     block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
     token_of_row = torch.where(rows.pair_of_row < P, rows.pair_of_row // k, -1).to(torch.int32)
     gate_of_row = torch.cat((gates.flatten().float(), gates.new_zeros(1, dtype=torch.float32)))[rows.pair_of_row]
-    return token_of_row, block_expert, dest_of_pair, gate_of_row
+    return token_of_row, block_expert, rows.dest_of_pair, gate_of_row
 
 
-@on_gpu(rows={"h": (0,), "gate_of_row": (0,)})
+@on_gpu(rows={"h": (-2,), "gate_of_row": (0,)})
 def _gated_swiglu_quantised(h: Tensor, gate_of_row: Tensor, inter: int, inter_padded: int,
                             limit: float) -> tuple[Tensor, Tensor]:
-    """GEMM 1's rows [M, 2 Ip] (w1 | w3) -> V4's clamped SwiGLU times the row's gate, quantised
-    for GEMM 2 (``quantize_act``)."""
+    """GEMM 1's rows [M, 2 Ip] (w1 | w3; or its split-K partials [S, M, 2 Ip]) -> V4's clamped
+    SwiGLU times the row's gate, quantised for GEMM 2 (``quantize_act``)."""
+    if h.dim() == 3:
+        h = add_splits(h, torch.float32)
     g, u = h[:, :inter], h[:, inter_padded:inter_padded + inter]
     if limit > 0:  # swiglu_limit 0 means no clamp
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     return quantize_act((F.silu(g) * u) * gate_of_row[:, None])
 
 
-@on_gpu(rows={"out": (0,), "dest_of_pair": (0,)})
-def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int) -> Tensor:
-    """GEMM 2's rows -> each token's sum over its k slots, in slot order (deterministic); a
-    pair held elsewhere (row M) adds zero."""
+@on_gpu(rows={"out": (-2,), "dest_of_pair": (0,)})
+def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int, dtype: torch.dtype) -> Tensor:
+    """GEMM 2's rows [M, D] in ``dtype`` (or its fp32 split-K partials [S, M, D]) -> each token's
+    sum over its k slots, in slot order (deterministic); a pair held elsewhere (row M) adds zero."""
+    if out.dim() == 3:
+        out = add_splits(out, dtype)
     pairs = torch.cat((out, out.new_zeros(1, out.shape[1])))[dest_of_pair]
     return pairs.view(-1, k, out.shape[1]).sum(1)
 

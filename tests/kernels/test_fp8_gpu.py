@@ -40,6 +40,7 @@ from sglang_dsv4.checkpoint.writer import random_stored
 from sglang_dsv4.config import V4Config
 from sglang_dsv4.core import compiled
 from sglang_dsv4.core.model import V4Model, weight_dtypes
+from sglang_dsv4.kernels import fp8_linear as fp8_linear_mod
 from sglang_dsv4.kernels import fp8_moe
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_reference, fp8_linear, fp8_linear_reference
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
@@ -107,6 +108,19 @@ def test_fp8_linear_matches_the_torch_reference(nk):
     # mantissa bits, as the DeepSeek-V3 report measured): ~1.4e-4 per row was seen on the H200.
     # Smaller tiles (mma.sync) match to ~1e-7. A wrong scale or row is an error of order 1.
     assert max(worst.values()) < 1e-3, worst
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_a_traced_fp8_linear_adds_the_split_k_partials_to_the_same_bits(m):
+    """Inside a compiled region ``fp8_linear`` hands the split-K partials to the region's next
+    kernel (``add_splits``) instead of launching the sum kernel: the same adds in the same order."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    w = _fp8(1024, 4096, g)  # 16 column tiles at one row: K is split
+    x = torch.randn(m, 4096, generator=g, device=DEV)
+    q, s = fp8_linear_mod.quantize_act.eager(x)
+    assert fp8_linear_mod.fp8_gemm(q, s, w, x.dtype, sum_splits=False).dim() == 3
+    traced = torch.compile(lambda a: fp8_linear(a, w) * 2.0)(x)
+    assert torch.equal(traced, fp8_linear(x, w) * 2.0)
 
 
 @pytest.mark.skipif(not compiled.ENABLED, reason="the fused regions are off (SGLANG_DSV4_COMPILE=0)")
