@@ -318,11 +318,11 @@ class V4Model:
     def _block(self, h: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
                cache: V4CacheView, hash_routed: bool) -> Tensor:
         cfg = self.cfg
-        y, post, comb = ops.hc_pre(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg)
-        x = ops.rms_norm(y, w["attn_norm.weight"], cfg.rms_norm_eps)
+        x, post, comb = ops.hc_pre(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg,
+                                   norm=w["attn_norm.weight"])
         h = ops.hc_post(self._attention(x, w, layer, ratio, step, cache), h, post, comb)
-        y, post, comb = ops.hc_pre(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg)
-        x = ops.rms_norm(y, w["ffn_norm.weight"], cfg.rms_norm_eps)
+        x, post, comb = ops.hc_pre(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg,
+                                   norm=w["ffn_norm.weight"])
         par = self.parallel
         f = par.moe(x, step.ids, w, cfg, hash_routed) if par else ops.moe(x, step.ids, w, cfg, hash_routed)
         return ops.hc_post(f, h, post, comb)

@@ -124,15 +124,19 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freqs: Tensor, inverse: bool = 
 
 # ---- manifold-constrained hyper-connections (§5) ----------------------------------------------
 
-def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor, Tensor]:
+def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config,
+           norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Reduce the hc streams to one input. h: [T, hc, D] -> (y [T, D], post [T, hc], comb [T, hc, hc]).
+    With ``norm`` (the sublayer's input norm weight) y comes RMS-normed: ``rms_norm(y, norm)``,
+    the same ops, one fused region with the weighted sum on the GPU.
 
     On a GPU with SGLang importable the split and Sinkhorn of the mixes are SGLang's Triton kernel
     (one launch instead of ~40, ``kernels.hc_split``); the torch ops everywhere else."""
     mixes = hc_mixes(h, fn, cfg)
     split = hc_split.hc_split_sinkhorn(mixes, scale, base, cfg) if h.is_cuda else None
     pre, post, comb = split if split is not None else hc_split_torch(mixes, base, scale, cfg)
-    return hc_weighted_sum(pre, h), post, comb
+    y = hc_weighted_sum(pre, h) if norm is None else hc_weighted_norm(pre, h, norm, cfg.rms_norm_eps)
+    return y, post, comb
 
 
 def _mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
@@ -150,6 +154,12 @@ def hc_mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
 def hc_weighted_sum(pre: Tensor, h: Tensor) -> Tensor:
     """y = sum_i pre_i h[:, i] (not normalised to sum 1): [T, hc], [T, hc, D] -> [T, D]."""
     return torch.einsum("th,thd->td", pre, h)
+
+
+@on_gpu(rows={"pre": (0,), "h": (0,)})
+def hc_weighted_norm(pre: Tensor, h: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm(hc_weighted_sum(pre, h), weight, eps)``: a sublayer's normed input [T, D]."""
+    return rms_norm(hc_weighted_sum(pre, h), weight, eps)
 
 
 @on_gpu(rows={"mixes": (0,)})
@@ -455,7 +465,7 @@ def _stable_topk(x: Tensor, k: int) -> Tensor:
 def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool) -> Tensor:
     """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert."""
     out = routed_experts(x, token_ids, w, cfg, hash_routed)
-    return out + shared_expert(x, w, cfg) if cfg.n_shared_experts else out
+    return shared_expert(x, w, cfg, plus=out) if cfg.n_shared_experts else out
 
 
 def routed_experts(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool,
@@ -589,12 +599,14 @@ def _sorted_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
     return out
 
 
-@on_gpu(rows={"x": (0,)})
-def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config) -> Tensor:
-    """The shared expert's output, [T, D] (V4 has one; callers check ``n_shared_experts``)."""
+@on_gpu(rows={"x": (0,), "plus": (0,)})
+def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config, plus: Tensor | None = None) -> Tensor:
+    """The shared expert's output, [T, D] (V4 has one; callers check ``n_shared_experts``);
+    ``plus + `` it with ``plus`` (the routed experts' sum: the add joins the region's last kernel)."""
     p = "ffn.shared_experts"
     y = _swiglu(x, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, None)
-    return linear(y, w[f"{p}.w2.weight"])
+    out = linear(y, w[f"{p}.w2.weight"])
+    return out if plus is None else plus + out
 
 
 def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, limit: float, gate: Tensor | None) -> Tensor:

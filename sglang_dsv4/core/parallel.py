@@ -140,7 +140,7 @@ class ModelParallel:
         else:
             out = ops.routed_experts(x, token_ids, w, cfg, hash_routed, self.local_experts(cfg))
             dist.all_reduce(out, group=self.ep_group)
-        return out + ops.shared_expert(x, w, cfg) if cfg.n_shared_experts else out
+        return ops.shared_expert(x, w, cfg, plus=out) if cfg.n_shared_experts else out
 
 
 def _size(group: ProcessGroup | None) -> int:
