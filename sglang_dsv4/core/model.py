@@ -53,18 +53,18 @@ def weight_dtypes(matmul_dtype: torch.dtype, dtype: torch.dtype = torch.float32)
     return dtype_of
 
 
-def _c4_window_rows(step: StepBatch, layers: int) -> tuple[Tensor, Tensor]:
+def _c4_window_rows(step: StepBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """``V4Model._c4_entries``' addressing, the same in every C4 layer and kind: (per token the
     8 rows its window pools [T, 8], in the concatenation [slot states' rows (B * 8); the chunk's
-    rows (T); a padding row], and where its row goes in the flat state of layer 0 (add
-    c4 * 8 for layer c4: the request's slot for its last 8 positions, the scratch slot's else)."""
+    rows (T); a padding row], and where its row goes in a layer's state [slots, 8, 2d]: (slot,
+    row) per token, the request's slot for its last 8 positions, the scratch slot's else)."""
     return _c4_window_rows_of(step.positions, step.tok_req, step.starts, step.ends, step.row0, step.slots,
-                              step.scratch_slot, layers)
+                              step.scratch_slot)
 
 
 @on_gpu(rows={"positions": (0,), "tok_req": (0,), "starts": (0,), "ends": (0,), "row0": (0,), "slots": (0,)})
 def _c4_window_rows_of(positions: Tensor, tok_req: Tensor, starts: Tensor, ends: Tensor, row0: Tensor,
-                       slots: Tensor, scratch_slot: int, layers: int) -> tuple[Tensor, Tensor]:
+                       slots: Tensor, scratch_slot: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """``_c4_window_rows`` on the step's tensors: one fused region on the GPU."""
     R, B, T = C4_STATE_ROWS, slots.shape[0], positions.shape[0]
     pos, b = positions, tok_req
@@ -73,7 +73,7 @@ def _c4_window_rows_of(positions: Tensor, tok_req: Tensor, starts: Tensor, ends:
     idx = torch.where(qpos >= start, B * R + row0[b][:, None] + qpos - start,
                       torch.where(qpos >= 0, b[:, None] * R + qpos % R, B * R + T))
     keep = pos >= ends[b] - R
-    return idx, torch.where(keep, slots[b], scratch_slot) * layers * R + pos % R
+    return idx, (torch.where(keep, slots[b], scratch_slot), pos % R)
 
 
 def _token_columns(step: StepBatch) -> Tensor:
@@ -377,31 +377,26 @@ class V4Model:
         """Per token t at position p, the entry its 8-row window (positions p-7..p) pools, finished
         -> [T, d] (meaningful where p completes a group; the others go to the scratch row). Then
         the chunk's last 8 rows of each request become its state (rows at p % 8)."""
-        st_a, st_s = cache.slot_state[f"c4_{kind}_a"], cache.slot_state[f"c4_{kind}_s"]
-        R, (B, d2), L = C4_STATE_ROWS, (step.num_reqs, a.shape[1]), st_a.shape[1]
-        # rows before the chunk come from the slot's state, rows inside it from the chunk
-        idx, dst = step.derived(("c4_windows", L), lambda: _c4_window_rows(step, L))
-        entries = ops.c4_entries(st_a[step.slots, c4].reshape(B * R, d2), st_s[step.slots, c4].reshape(B * R, d2),
-                                 a, s, idx, w, prefix, step.positions, freqs, self.cfg, is_indexer, self.quant_sim)
-        dst = dst + c4 * R
-        st_a.view(-1, d2)[dst] = a
-        st_s.view(-1, d2)[dst] = s
+        # this layer's states [slots, 8, 2d] (views); rows before the chunk come from them, rows
+        # inside it from the chunk
+        st_a, st_s = cache.slot_state[f"c4_{kind}_a"][:, c4], cache.slot_state[f"c4_{kind}_s"][:, c4]
+        idx, dst = step.derived(("c4_windows",), lambda: _c4_window_rows(step))
+        entries = ops.c4_entries(a, s, st_a, st_s, step.slots, idx, w, prefix, step.positions, freqs, self.cfg,
+                                 is_indexer, self.quant_sim)
+        st_a[dst] = a
+        st_s[dst] = s
         return entries
 
     def _c128_entries(self, cache: V4CacheView, step: StepBatch, c128: int, a: Tensor, s: Tensor,
                       w: dict[str, Tensor], freqs: Tensor) -> Tensor:
         """Online-softmax pooling of every (request, group) segment of the step, position by
         position -> the segments' entries [G, d] (real where the segment completes its group)."""
-        seg, state = step.c128, cache.slot_state["c128"]
-        d = a.shape[1]
-        empty = torch.stack((a.new_full((d,), float("-inf")), a.new_zeros(d), a.new_zeros(d)))
-        slots = step.slots[step.tok_req[seg.last_tok]]
-        init = torch.where(seg.carry[:, None, None], state[slots, c128], empty)
-        run = ops.online_softmax_pool(a, s, seg.tok, init, seg.width)
-        state[seg.store_slot, c128] = torch.where(seg.completes[:, None, None], empty, run)
-        pooled = run[:, 2] / run[:, 1]
-        return ops.finish_entries(pooled, w, "attn.compressor", seg.first_pos, freqs, self.cfg, False,
-                                  self.quant_sim)
+        seg, state = step.c128, cache.slot_state["c128"][:, c128]  # this layer's states [slots, 3, d]
+        slots = step.derived(("c128_slots",), lambda: step.slots[step.tok_req[seg.last_tok]])
+        run = ops.online_softmax_pool(a, s, seg.tok, ops.c128_start(seg.carry, slots, state, a), seg.width)
+        store, entries = ops.c128_finish(run, seg.completes, w, seg.first_pos, freqs, self.cfg, self.quant_sim)
+        state[seg.store_slot] = store
+        return entries
 
     def _select(self, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor, hw: Tensor,
                 visible: Tensor) -> Tensor:

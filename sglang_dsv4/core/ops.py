@@ -325,16 +325,18 @@ def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
     return (torch.softmax(s, dim=-1) * a).sum(-1)
 
 
-@on_gpu(rows={"prev_a": (0,), "prev_s": (0,), "a": (0,), "s": (0,), "idx": (0,), "positions": (0,)})
-def c4_entries(prev_a: Tensor, prev_s: Tensor, a: Tensor, s: Tensor, idx: Tensor, w: dict[str, Tensor],
-               prefix: str, positions: Tensor, inv_freqs: Tensor, cfg: V4Config, is_indexer: bool,
-               quant_sim: bool) -> Tensor:
+@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "positions": (0,)})
+def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
+               w: dict[str, Tensor], prefix: str, positions: Tensor, inv_freqs: Tensor, cfg: V4Config,
+               is_indexer: bool, quant_sim: bool) -> Tensor:
     """The C4 entry each token's 8-row window completes, finished (``finish_entries``) -> [T, d].
 
-    The window's rows come from [the slot states' rows prev_* (B * 8); the chunk's rows a, s (T);
-    a padding row (a 0, s -inf)], ``idx`` [T, 8] indexing that concatenation; a token at position
-    p pools positions p-7..p, the group's first token p - 3. One fused region on the GPU."""
+    The window's rows come from [the step's requests' rows of this layer's slot states
+    ``state_*`` [slots, 8, 2d] (``slots`` [B]: B * 8 rows); the chunk's rows a, s (T); a padding
+    row (a 0, s -inf)], ``idx`` [T, 8] indexing that concatenation; a token at position p pools
+    positions p-7..p, the group's first token p - 3. One fused region on the GPU."""
     d2 = a.shape[1]
+    prev_a, prev_s = state_a[slots].reshape(-1, d2), state_s[slots].reshape(-1, d2)
     src_a = torch.cat((prev_a, a, a.new_zeros(1, d2)))
     src_s = torch.cat((prev_s, s, s.new_full((1, d2), float("-inf"))))
     pooled = pool_c4_windows(src_a[idx], src_s[idx])
@@ -366,6 +368,29 @@ def _absorb_position(m: Tensor, total: Tensor, acc: Tensor, a: Tensor, s: Tensor
     total = torch.where(valid, total * c_old + c_new, total)
     acc = torch.where(valid, acc * c_old + ai * c_new, acc)
     return torch.where(valid, m_new, m), total, acc
+
+
+def _empty_pool_state(like: Tensor) -> Tensor:
+    """A group's online-softmax state before its first row [3, d]: (max -inf, sum 0, weighted 0)."""
+    d = like.shape[1]
+    return torch.stack((like.new_full((d,), float("-inf")), like.new_zeros(d), like.new_zeros(d)))
+
+
+@on_gpu(rows={"carry": (0,), "slots": (0,)})
+def c128_start(carry: Tensor, slots: Tensor, state: Tensor, a: Tensor) -> Tensor:
+    """Each segment's online-softmax state before its rows [G, 3, d]: its slot's carried state
+    in this layer's ``state`` [slots, 3, d] where the segment continues a group, else empty."""
+    return torch.where(carry[:, None, None], state[slots], _empty_pool_state(a))
+
+
+@on_gpu(rows={"run": (0,), "completes": (0,), "first_positions": (0,)})
+def c128_finish(run: Tensor, completes: Tensor, w: dict[str, Tensor], first_positions: Tensor, inv_freqs: Tensor,
+                cfg: V4Config, quant_sim: bool) -> tuple[Tensor, Tensor]:
+    """Each segment's state after its rows [G, 3, d] -> (the state its slot keeps: empty where the
+    group completed; its pooled entry, finished, [G, d]: meaningful where it completed)."""
+    store = torch.where(completes[:, None, None], _empty_pool_state(run[:, 0]), run)
+    pooled = run[:, 2] / run[:, 1]
+    return store, finish_entries(pooled, w, "attn.compressor", first_positions, inv_freqs, cfg, False, quant_sim)
 
 
 @on_gpu(rows={"pooled": (0,), "first_positions": (0,)})
