@@ -257,6 +257,9 @@ def compile_summary() -> str:
     return f"compiled graphs {utils.counters['stats']['unique_graphs']}, {secs:.1f} s compiling (this process)"
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")  # runtime / driver
+
+
 def profile_step(path, n: int = 3) -> tuple[float, float, float]:
     """(kernel launches, host syncs, GPU busy %) per step, from the torch profiler. Launches and
     syncs are counted inside the steps only (each step a ``record_function`` range), so the
@@ -281,7 +284,7 @@ def profile_step(path, n: int = 3) -> tuple[float, float, float]:
     kernels = []
     for e in events:
         name = e.name
-        if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+        if name in LAUNCH_CALLS:
             launches += in_step(e)
         elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"):
             syncs += in_step(e)

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.bench_decode import NewPath, bench_weights, make_config
+from benchmarks.bench_decode import LAUNCH_CALLS, NewPath, bench_weights, make_config
 from sglang_dsv4.core import graphs as graphs_mod
 from sglang_dsv4.core import model as model_mod
 
@@ -79,8 +79,7 @@ def kernels_of_eager_step(path) -> tuple[int, float, list[tuple[str, int, float]
     return count, total, top
 
 
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",
-            "cudaMemsetAsync")
+LAUNCHES = LAUNCH_CALLS + ("cudaMemcpyAsync", "cudaMemsetAsync")  # a copy or memset is a graph node too
 
 
 def _site(name: str) -> str | None:

@@ -87,6 +87,13 @@ def block_rows(pairs: int) -> int:
     return 16 if pairs < 1024 else 64
 
 
+def grouped_rows(pairs: int, experts: int) -> tuple[int, int]:
+    """(rows per expert block, rows of the grouped GEMMs) for ``pairs`` (token, slot) pairs over
+    ``experts`` local experts: room for every expert's padding, a whole number of blocks."""
+    A = block_rows(pairs)
+    return A, math.ceil((pairs + min(pairs, experts) * (A - 1)) / A) * A
+
+
 def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Experts, first_expert: int,
                         limit: float) -> Tensor:
     """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the local experts
@@ -97,8 +104,7 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     slot sum (about 70 small kernels per layer as separate torch ops)."""
     T, k = chosen.shape
     E, P = experts.num_experts, chosen.numel()
-    A = block_rows(P)
-    M = math.ceil((P + min(P, E) * (A - 1)) / A) * A  # room for every expert's padding
+    A, M = grouped_rows(P, E)
     token_of_row, block_expert, dest_of_pair, gate_of_row = _row_layout(chosen, gates, first_expert, E, A, M)
     xq, xs = quantize_act(x)
     # each GEMM's split-K partials (if K is split) are added by the region after it
@@ -149,4 +155,4 @@ def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int, dtype: torch.dtype) ->
     return pairs.view(-1, k, out.shape[1]).sum(1)
 
 
-__all__ = ["Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows"]
+__all__ = ["Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows", "grouped_rows"]

@@ -137,8 +137,7 @@ def test_grouped_fp8_experts_fused_regions_give_the_eager_result(first, local, m
         x = torch.randn(T, D, generator=g, device=DEV)
         chosen = torch.rand(T, E, generator=g, device=DEV).argsort(1)[:, :k]
         gates = torch.rand(T, k, generator=g, device=DEV)
-        P, A = T * k, fp8_moe.block_rows(T * k)
-        M = -(-(P + min(P, local) * (A - 1)) // A) * A
+        A, M = fp8_moe.grouped_rows(T * k, local)
         fused_layout = fp8_moe._row_layout(chosen, gates, first, local, A, M)
         fused = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
         with monkeypatch.context() as mp:
