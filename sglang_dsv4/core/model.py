@@ -334,6 +334,7 @@ class V4Model:
         q, qr = ops.project_q(x, w, pos, freqs, cfg)
         kv = ops.project_kv(x, w, pos, freqs, cfg, qs)
         comp_idx = table = entries = entry_layout = None
+        backend = self._backend(cache)
         if ratio:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
             a, s = ops.compressor_projections(x, w, "attn.compressor", pos, ratio)
@@ -346,7 +347,7 @@ class V4Model:
                 keys = self._c4_entries(cache, step, c4, "index", ia, is_, w, "attn.indexer.compressor", freqs, True)
                 pool.write(f"index{layer}", self._write_rows(step, pool, f"index{layer}", 4), keys)
                 qi, hw = ops.indexer_queries(x, qr, w, pos, freqs, cfg, qs)
-                comp_idx = self._select(pool, f"index{layer}", table, step, qi, hw, visible)
+                comp_idx = self._select(backend, pool, f"index{layer}", table, step, qi, hw, visible)
             else:
                 new = self._c128_entries(cache, step, cache.c128_index[layer], a, s, w, freqs)
                 dst, comp_idx = step.derived(("c128_entries", table.shape[1], pool.layouts[f"main{layer}"].page_size),
@@ -354,7 +355,6 @@ class V4Model:
                                                                 pool.layouts[f"main{layer}"]))
                 pool.write(f"main{layer}", dst, new)
             entries, entry_layout = pool.tensors[f"main{layer}"], pool.layouts[f"main{layer}"]
-        backend = self._backend(cache)
         o = backend.attend(AttnBatch(
             q, kv, step, ring=cache.slot_state["ring"][:, layer],
             ring_layout=cache.layout.ring, comp_idx=comp_idx, entry_table=table,
@@ -398,9 +398,19 @@ class V4Model:
         state[seg.store_slot] = store
         return entries
 
-    def _select(self, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor, hw: Tensor,
-                visible: Tensor) -> Tensor:
-        """Indexer top-k per token among its request's visible entries -> entry indices [T, k]."""
+    def _select(self, backend: AttentionBackend, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor,
+                hw: Tensor, visible: Tensor) -> Tensor:
+        """Indexer top-k per token among its request's visible entries -> entry indices [T, k].
+        The scores come from the backend's fused kernel where it has one (the GPU's fp8 keys),
+        else from the keys read back (the deterministic mode: always, its dots are exact)."""
+        scores = None if self.deterministic else backend.index_scores(qi, hw, pool.tensors[name], pool.layouts[name],
+                                                                      table, step.tok_req)
+        if scores is None:
+            scores = self._index_scores(pool, name, table, step, qi, hw)
+        return ops.select_topk(scores, visible, self.cfg.index_topk)
+
+    def _index_scores(self, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor, hw: Tensor) -> Tensor:
+        """The indexer's scores [T, N] in torch: each request's keys read back, scored per request."""
         B, N = table.shape
         rows, grid, col = step.derived(("indexer", N, pool.layouts[name].page_size),
                                        lambda: (pool.layouts[name].locate(table.clamp_min(0).flatten()),
@@ -412,8 +422,7 @@ class V4Model:
             gb = grid[:, l0:l0 + self.SCORE_BLOCK]
             scores[:, l0:l0 + self.SCORE_BLOCK] = ops.batched_indexer_scores(qi[gb], hw[gb], keys,
                                                                              exact=self.deterministic)
-        scores = scores[step.tok_req, col]
-        return ops.select_topk(scores, visible, self.cfg.index_topk)
+        return scores[step.tok_req, col]
 
     SCORE_BLOCK = 256
 

@@ -129,6 +129,13 @@ class AttentionBackend(ABC):
     def attend(self, batch: AttnBatch) -> Tensor:
         """Write the new window rows into the rings and return the attention output [T, H, Dh]."""
 
+    def index_scores(self, qi: Tensor, head_weights: Tensor, keys: Tensor, layout: RowLayout,
+                     entry_table: Tensor, tok_req: Tensor) -> Tensor | None:
+        """The indexer's scores [T, N] of each token's request's entries (``entry_table`` [B, N])
+        computed over the stored key rows ``keys`` by a fused kernel of this storage, or None:
+        the model scores them in torch (``V4Model._select``, the CPU and deterministic path)."""
+        return None
+
     def __repr__(self) -> str:
         return self.name
 

@@ -23,6 +23,7 @@ import torch
 
 from ..config import V4Config
 from ..core.compiled import on_gpu
+from . import index_scores
 from .backend import AttentionBackend, AttnBatch, attended_rows, fp8_entry_layouts, fp8_window_layout
 from .kv_layout import RowLayout
 
@@ -104,6 +105,13 @@ class SparseMLABackend(AttentionBackend):
         if b.step.is_decode and b.decode_kernel:
             return self._decode(b)
         return self._prefill(b)
+
+    def index_scores(self, qi: Tensor, head_weights: Tensor, keys: Tensor, layout: RowLayout,
+                     entry_table: Tensor, tok_req: Tensor) -> Tensor | None:
+        """On the GPU, the scores straight from the fp8 key rows (``index_scores``)."""
+        if not index_scores.supported(qi, layout):
+            return None
+        return index_scores.paged_index_scores(qi, head_weights, keys, layout, entry_table, tok_req)
 
     # ---- decode ---------------------------------------------------------------------------------
     def _decode(self, b: AttnBatch) -> Tensor:
