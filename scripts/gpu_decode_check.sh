@@ -6,6 +6,8 @@
 #   mkdir -p .bench-prev && git archive COMMIT sglang_dsv4 | tar -x -C .bench-prev   # optional
 #   run(command="bash scripts/gpu_decode_check.sh", carry=[".whl", ".bench-old", ".srt-site", ".bench-prev", ".inductor-cache"])
 #   rm -rf .inductor-cache && mkdir .inductor-cache && cp FILES_AT/inductor-cache.tar.xz* .inductor-cache/   # after a call: the next starts warm
+#   (to carry it beside .srt-site and .whl within 64 MiB, repack it here first, ~3 min on 2 cores:
+#    cat FILES_AT/inductor-cache.tar.xz.part* | xz -dc | xz -9e -T2 > .inductor-cache/inductor-cache.tar.xz: 29 -> 20 MiB)
 #
 # .whl holds the sgl_flash_mla wheel (see gpu_check.sh). .srt-site (scripts/build_srt_site.sh), when
 # carried, puts SGLang on the path as in the server, so the tests and the benchmark run the SGLang
@@ -53,7 +55,7 @@ import os, shutil, subprocess, sys, tarfile
 out = os.path.join(sys.argv[1], "inductor-cache.tar.xz")
 if not os.path.isdir("/tmp/inductor-cache"):
     sys.exit(0)
-if shutil.which("xz"):  # all cores, preset 6: half preset 1's size (31 -> ~16 MiB), so it carries with the rest
+if shutil.which("xz"):  # all cores (the H200 image has no xz: there the preset-1 fallback runs)
     subprocess.run(f"tar -C /tmp -cf - inductor-cache | xz -6 -T0 > {out}", shell=True, check=True)
 else:
     with tarfile.open(out, "w:xz", preset=1) as t:  # fast: the caches are mostly text
