@@ -410,7 +410,12 @@ class V4Model:
         return ops.select_topk(scores, visible, self.cfg.index_topk)
 
     def _index_scores(self, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor, hw: Tensor) -> Tensor:
-        """The indexer's scores [T, N] in torch: each request's keys read back, scored per request."""
+        """The indexer's scores [T, N] in torch: each request's keys read back, scored per request.
+        The dots are exact (float64 over the QAT'ed operands) in the deterministic mode and on the
+        CPU: there a fp32 GEMM's summation order is MKL's choice by shape and machine (the rows
+        are tokens x heads, which chunking changes), and a near-tie of the top-k turns any
+        difference into another selection; exact dots leave nothing for the shape to decide."""
+        exact = self.deterministic or qi.device.type == "cpu"
         B, N = table.shape
         rows, grid, col = step.derived(("indexer", N, pool.layouts[name].page_size),
                                        lambda: (pool.layouts[name].locate(table.clamp_min(0).flatten()),
@@ -420,8 +425,7 @@ class V4Model:
         scores = torch.empty(B, L, N, dtype=qi.dtype, device=qi.device)
         for l0 in range(0, L, self.SCORE_BLOCK):     # bounds the [B, block, Hi, N] products
             gb = grid[:, l0:l0 + self.SCORE_BLOCK]
-            scores[:, l0:l0 + self.SCORE_BLOCK] = ops.batched_indexer_scores(qi[gb], hw[gb], keys,
-                                                                             exact=self.deterministic)
+            scores[:, l0:l0 + self.SCORE_BLOCK] = ops.batched_indexer_scores(qi[gb], hw[gb], keys, exact=exact)
         return scores[step.tok_req, col]
 
     SCORE_BLOCK = 256

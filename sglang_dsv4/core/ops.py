@@ -431,7 +431,7 @@ def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor, exact
     """Per request: qi [B, L, Hi, Di], head weights [B, L, Hi], its keys [B, N, Di] -> [B, L, N].
 
     The head sum is a plain reduction over Hi (not a per-row GEMM), so a row's score does not
-    depend on the rows or requests batched with it. ``exact`` (the deterministic mode) takes
+    depend on the rows or requests batched with it. ``exact`` (the deterministic mode, the CPU) takes
     the dot products in float64: qi and the keys are fp4 values times power-of-two scales after
     V4's QAT, so every product and partial sum is exact in float64 and the dot does not depend
     on the summation order the GEMM kernel (chosen by shape on a GPU) happens to use."""
