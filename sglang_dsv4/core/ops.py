@@ -150,10 +150,24 @@ def hc_mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
     return _mixes(h, fn, cfg)
 
 
+def _stream_sum(w: Tensor, h: Tensor, unrolled: bool) -> Tensor:
+    """sum_j w[:, j, ...] h[:, j] over the hc streams: w [T, hc] -> [T, D], or w [T, hc, k]
+    -> [T, k, D] (``hc_post``'s comb). ``unrolled`` writes the hc-long sum as explicit adds of
+    its terms, in stream order: on the GPU the region is then one elementwise kernel that reads
+    h once (as a batched GEMM of hc x hc x D products it cost ~68 us per call at batch 256 and
+    V4-Flash width, ~8x its bytes over the copy bandwidth; session-11 census). The CPU keeps the
+    einsum (its summation order is the one the bit-exact chunking tests pin)."""
+    if not unrolled:
+        return torch.einsum("th,thd->td", w, h) if w.dim() == 2 else torch.einsum("tjk,tjd->tkd", w, h)
+    terms = [(w[:, j, None] * h[:, j]) if w.dim() == 2 else (w[:, j, :, None] * h[:, j, None, :])
+             for j in range(h.shape[1])]
+    return functools.reduce(torch.add, terms[1:], terms[0])
+
+
 @on_gpu(rows={"pre": (0,), "h": (0,)})
 def hc_weighted_sum(pre: Tensor, h: Tensor) -> Tensor:
     """y = sum_i pre_i h[:, i] (not normalised to sum 1): [T, hc], [T, hc, D] -> [T, D]."""
-    return torch.einsum("th,thd->td", pre, h)
+    return _stream_sum(pre, h, h.is_cuda)
 
 
 @on_gpu(rows={"pre": (0,), "h": (0,)})
@@ -204,7 +218,7 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
 @on_gpu(rows={"f": (0,), "h": (0,), "post": (0,), "comb": (0,)})
 def hc_post(f: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Expand a sublayer output back to the streams: h'[k] = post_k f + sum_j comb[j, k] h[j]."""
-    return post.unsqueeze(-1) * f.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, h)
+    return post.unsqueeze(-1) * f.unsqueeze(1) + _stream_sum(comb, h, h.is_cuda)
 
 
 @on_gpu(rows={"h": (0,)})
@@ -212,7 +226,7 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
     """Final stream merge before the output norm (§5.6). h: [T, hc, D] -> [T, D]."""
     mixes = _mixes(h, fn, cfg)
     pre = torch.sigmoid(mixes * scale[0] + base) + cfg.hc_eps
-    return torch.einsum("th,thd->td", pre, h)
+    return _stream_sum(pre, h, h.is_cuda)
 
 
 # ---- attention projections (§2.2-§2.5) ------------------------------------------------------
