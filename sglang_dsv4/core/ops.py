@@ -150,18 +150,23 @@ def hc_mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
     return _mixes(h, fn, cfg)
 
 
+def _sum_in_order(x: Tensor, dim: int) -> Tensor:
+    """x summed over a short ``dim`` as explicit adds of its slices in index order (dim dropped):
+    elementwise, so a compiled region on the GPU fuses it instead of launching a reduction."""
+    parts = x.unbind(dim)
+    return functools.reduce(torch.add, parts[1:], parts[0])
+
+
 def _stream_sum(w: Tensor, h: Tensor, unrolled: bool) -> Tensor:
     """sum_j w[:, j, ...] h[:, j] over the hc streams: w [T, hc] -> [T, D], or w [T, hc, k]
     -> [T, k, D] (``hc_post``'s comb). ``unrolled`` writes the hc-long sum as explicit adds of
     its terms, in stream order: on the GPU the region is then one elementwise kernel that reads
     h once (as a batched GEMM of hc x hc x D products it cost ~68 us per call at batch 256 and
-    V4-Flash width, ~8x its bytes over the copy bandwidth; session-11 census). The CPU keeps the
+    V4-Flash width, ~8x its bytes over the copy bandwidth; session-10 census). The CPU keeps the
     einsum (its summation order is the one the bit-exact chunking tests pin)."""
-    if not unrolled:
-        return torch.einsum("th,thd->td", w, h) if w.dim() == 2 else torch.einsum("tjk,tjd->tkd", w, h)
-    terms = [(w[:, j, None] * h[:, j]) if w.dim() == 2 else (w[:, j, :, None] * h[:, j, None, :])
-             for j in range(h.shape[1])]
-    return functools.reduce(torch.add, terms[1:], terms[0])
+    if w.dim() == 2:
+        return _sum_in_order(w[..., None] * h, 1) if unrolled else torch.einsum("th,thd->td", w, h)
+    return _sum_in_order(w[..., None] * h[:, :, None], 1) if unrolled else torch.einsum("tjk,tjd->tkd", w, h)
 
 
 @on_gpu(rows={"pre": (0,), "h": (0,)})
@@ -197,16 +202,10 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     materialises every normalisation (39 kernels per call, measured): where SGLang imports,
     ``hc_pre`` takes its one-kernel split instead."""
     def col_sum(c: Tensor) -> Tensor:
-        if not c.is_cuda:
-            return c.sum(-2, keepdim=True)
-        parts = c.unbind(-2)
-        return functools.reduce(torch.add, parts[1:], parts[0]).unsqueeze(-2)
+        return _sum_in_order(c, -2).unsqueeze(-2) if c.is_cuda else c.sum(-2, keepdim=True)
 
     def row_sum(c: Tensor) -> Tensor:
-        if not c.is_cuda:
-            return c.sum(-1, keepdim=True)
-        parts = c.unbind(-1)
-        return functools.reduce(torch.add, parts[1:], parts[0]).unsqueeze(-1)
+        return _sum_in_order(c, -1).unsqueeze(-1) if c.is_cuda else c.sum(-1, keepdim=True)
 
     comb = comb / (col_sum(comb) + eps)
     for _ in range(iters - 1):
