@@ -26,10 +26,15 @@ from .step import CPU_TOKEN_TILE
 Tensor = torch.Tensor
 
 
-# CPU GEMMs (MKL) take another kernel, with another summation order, for a few rows (measured:
-# 1-3, 5-7, 9-11 rows differ; every multiple of 4 agrees): padding the rows to a multiple of 8 keeps
-# each row's result independent of how many rows come with it, i.e. of how a sequence is chunked.
-CPU_ROW_TILE = 8
+# CPU GEMMs (MKL) choose their kernel, blocking and K split by shape and thread count, so a row's
+# fp32 result can depend on how many rows come with it. Measured on a 2-core Xeon (AVX-512): K = 256
+# gives one result for 8 rows and another for 16 or more; K = 1024 (the hc mixes, hc_head, wo_b)
+# with 2 threads splits K across the threads below a few hundred rows, differently for each count;
+# an EPYC agreed on every multiple of 4 rows. Padding cannot fix the second, so on the CPU every
+# GEMM runs over blocks of exactly CPU_ROW_TILE rows (the last zero-padded): each weight sees one
+# GEMM shape, and a row's result depends on that row alone, on any machine's MKL, for a fixed
+# thread count. 32 = the step's token tile (core.step.CPU_TOKEN_TILE): token rows need no padding.
+CPU_ROW_TILE = 32
 
 
 def _zero_pad_rows(x: Tensor, tile: int) -> Tensor:
@@ -43,30 +48,35 @@ def pad_rows(x: Tensor, tile: int = CPU_ROW_TILE) -> Tensor:
     return _zero_pad_rows(x, tile) if x.device.type == "cpu" else x
 
 
+def _gemm(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w)
+    return x @ w.t() if x.dtype == w.dtype else (x.to(w.dtype) @ w.t()).to(x.dtype)
+
+
 def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
     """x @ w.T in the weight's dtype (bf16 weights: a bf16 GEMM), returned in x's dtype. An fp8
     block-128 weight (``kernels.fp8_linear.Fp8Weight``, the fp8 weight mode) takes x quantised
     as V4's QAT does (e4m3, groups of 128, power-of-two scales) into the fp8 block GEMM.
 
-    Row i of the result depends only on row i of x (rows padded on the CPU, see CPU_ROW_TILE)."""
-    n = x.shape[0]
-    xp = pad_rows(x)
-    if isinstance(w, Fp8Weight):
-        y = fp8_linear(xp, w)
-    else:
-        y = xp @ w.t() if x.dtype == w.dtype else (xp.to(w.dtype) @ w.t()).to(x.dtype)
-    return y[:n] if y.shape[0] != n else y
+    Row i of the result depends only on row i of x: on the CPU over tiles of exactly
+    CPU_ROW_TILE rows (see there)."""
+    if x.device.type == "cpu" and CPU_ROW_TILE:
+        return tiled_linear(x, w, CPU_ROW_TILE)
+    return _gemm(x, w)
 
 
 def tiled_linear(x: Tensor, w: Tensor | Fp8Weight, tile: int) -> Tensor:
     """``linear`` over blocks of exactly ``tile`` rows, the last one zero-padded: every GEMM has
     the same shape whatever the row count, so a row's result does not depend on the rows that
-    come with it even where the GEMM kernel is chosen by row count (cuBLAS, split-K)."""
+    come with it even where the GEMM kernel is chosen by row count (MKL, cuBLAS, split-K)."""
     n = x.shape[0]
     if n == 0:
-        return linear(x, w)
+        return _gemm(x, w)
     x = _zero_pad_rows(x, tile)
-    return torch.cat([linear(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])[:n]
+    if x.shape[0] == tile:
+        return _gemm(x, w)[:n]
+    return torch.cat([_gemm(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])[:n]
 
 
 @on_gpu(rows={"x": (0,)})

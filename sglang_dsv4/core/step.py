@@ -31,8 +31,8 @@ C128 = 128
 # vectorised elementwise loops run their last < 2 vectors through the scalar (libm) versions of
 # exp/log/sin..., which round differently from the vector (Sleef) ones, so an element's value
 # would depend on where it falls in its tensor, i.e. on the batch. With every per-token tensor a
-# multiple of 32 rows nothing falls in a tail; CPU GEMMs also give each row the same result for
-# any row count that is a multiple of 4 (``ops.linear``).
+# multiple of 32 rows nothing falls in a tail; CPU GEMMs run over tiles of exactly 32 rows
+# (``ops.CPU_ROW_TILE``), so these rows need no further padding.
 CPU_TOKEN_TILE = 32
 # The deterministic mode (``V4Model(deterministic=True)``, opt-in on the GPU) runs every forward
 # over exactly this many token rows: a longer step is cut into pieces, a shorter one padded. GPU
