@@ -28,6 +28,10 @@
 # PROFILE_ARGS='--cases flash8:1:16384 --weights fp8 --census 40': launches per call site).
 # TESTS_COMPILED: GPU tests run a second time with compilation on (the fused regions' own tests);
 # PREV_ARGS: bench_decode's arguments for .bench-prev when they differ from BENCH_ARGS.
+# FP8_SWEEP_ARGS: benchmarks/bench_fp8_gemm.py's arguments (the fp8 GEMM's tile configurations), run
+# after the tests (e.g. FP8_SWEEP_ARGS='--experts 32,8 --dense-tokens 256').
+# NO_BENCH=1 skips both bench_decode runs (a call for the tests, the sweep or the profile alone: without
+# it the bench runs its default configs, tiny included, whatever else is asked).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -80,7 +84,11 @@ if [ -n "${TESTS_COMPILED:-}" ]; then  # tests of the fused regions themselves: 
     | tee "$OUT/pytest_gpu_compiled.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
-if [ -d .bench-prev/sglang_dsv4 ]; then
+if [ -n "${FP8_SWEEP_ARGS:-}" ]; then  # the fp8 GEMM's tile configurations (benchmarks/bench_fp8_gemm.py)
+  echo "--- bench_fp8_gemm $FP8_SWEEP_ARGS"
+  timeout ${FP8_SWEEP_TIMEOUT:-200} python3 -m benchmarks.bench_fp8_gemm $FP8_SWEEP_ARGS 2>&1 | tee "$OUT/fp8_sweep.log" | grep "^|\|copy\|Error"
+fi
+if [ -d .bench-prev/sglang_dsv4 ] && [ -z "${NO_BENCH:-}" ]; then
   prev_paths=$PATHS
   [ -n "${PREV_NO_SRT:-}" ] && prev_paths=/tmp/site
   echo "--- before: .bench-prev's package (path $prev_paths)"
@@ -89,8 +97,10 @@ if [ -d .bench-prev/sglang_dsv4 ]; then
 fi
 old=()
 [ -d .bench-old/sglang_dsv4_old ] && old=(--old-root .bench-old)
-echo "--- this tree"
-timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|captured\|compiled graphs\|Error"
+if [ -z "${NO_BENCH:-}" ]; then
+  echo "--- this tree"
+  timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|captured\|compiled graphs\|Error"
+fi
 if [ -n "${GENERIC_TOO:-}" ]; then
   # the opt-in shape-generic compilation (core/compiled.py), its own process and compile cache: cold
   # compile time (prefill s) and decode speed beside the default's above

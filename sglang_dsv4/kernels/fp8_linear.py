@@ -152,7 +152,13 @@ def triton_missing() -> str | None:
     return None
 
 
-def _config(M: int, N: int, block_m: int | None) -> dict[str, int]:
+def _config(M: int, N: int, block_m: int | None, grouped: bool = False) -> dict[str, int]:
+    if grouped and block_m == 16:
+        # the routed experts at decode sizes: 64-column tiles, 4 stages. Graph-timed on an H200
+        # against the dense rule below (benchmarks/bench_fp8_gemm.py, session 12): w13 / w2 1.27x /
+        # 1.43x at 1 token (32 experts), 1.19x / 1.39x (8 experts), 1.05x / 1.04x at 64 tokens
+        # (32 experts), the best of 36 tile configurations in those cases
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8, num_warps=4, num_stages=4)
     if block_m is None:
         block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     # few output tiles (a narrow matrix at a small batch): narrower tiles, more programs
@@ -210,7 +216,7 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
     if grouped and block_m is None:
         raise ValueError("fp8_gemm: a grouped GEMM needs the block_m its block_expert table was built for")
-    cfg = _config(M, N, block_m)
+    cfg = _config(M, N, block_m, grouped)
     c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
     if M == 0:
         return c

@@ -1,0 +1,181 @@
+"""Tile configurations of the fp8 block GEMM (``kernels.fp8_linear``) at decode shapes, on the GPU.
+
+    python -m benchmarks.bench_fp8_gemm [--tokens 1,64,256] [--experts 32,8] [--dense-tokens 1,64,256]
+        [--stages 3,4] [--reps 30]
+
+Times ``fp8_gemm`` on V4-Flash's dense projection shapes and on the routed experts' two grouped
+GEMMs (k = 6 of E experts, random routing, the row layout of ``fp8_moe``), once with the
+shipped choice (``fp8_linear._config``, ``fp8_moe.block_rows``) and once per candidate tile
+configuration, and prints per case the time, the bytes the GEMM must read (the weights its rows
+touch, once) per second, the time over those bytes / the copy bandwidth measured in the same run
+(``bench_decode``'s roofline), and
+the largest difference from the shipped configuration's result (0: the same bits). Weights are
+rotated through copies larger than the L2, as the layers of a step are. A harness: what a
+configuration costs decides ``_config``; nothing here is imported by the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+
+from benchmarks.bench_decode import copy_bandwidth
+from sglang_dsv4.kernels import fp8_linear as fp8_mod
+from sglang_dsv4.kernels import fp8_moe
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm, quantize_act
+from sglang_dsv4.quant import FP8_WEIGHT_BLOCK
+
+DENSE = {  # V4-Flash projections, N x K
+    "wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+    "idx_wq_b": (8192, 1024), "shared_w13": (4096, 4096), "shared_w2": (4096, 2048),
+}
+INTER, DIM, TOPK = 2048, 4096, 6
+L2_BYTES = 50 * 2**20
+
+
+def random_fp8(shape: tuple[int, ...], g: torch.Generator) -> Fp8Weight:
+    q = (torch.randn(shape, generator=g, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    sshape = tuple(shape[:-2]) + tuple(math.ceil(d / FP8_WEIGHT_BLOCK) for d in shape[-2:])
+    scale = torch.exp2(torch.randint(-12, -8, sshape, generator=g, device="cuda").float())
+    return Fp8Weight(q, scale)
+
+
+def time_us(fn, reps: int) -> float:
+    """GPU microseconds per call of ``fn``: ``reps`` calls captured in one CUDA graph and replayed
+    (the host's launch cost, larger than a decode-sized GEMM, stays out, as in a graphed step)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(3):
+        graph.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e3 / (3 * reps)
+
+
+class Override:
+    """Replaces ``fp8_linear._config``'s tile choice (BLOCK_M stays the caller's) for one run."""
+
+    def __init__(self, cfg: dict[str, int] | None):
+        self.cfg, self.orig = cfg, fp8_mod._config
+
+    def __enter__(self):
+        if self.cfg is not None:
+            orig, cfg = self.orig, self.cfg
+            fp8_mod._config = lambda *a, **k: {**orig(*a, **k), **cfg}
+        return self
+
+    def __exit__(self, *exc):
+        fp8_mod._config = self.orig
+
+
+def dense_cases(tokens: list[int], g: torch.Generator):
+    for name, (n, k) in DENSE.items():
+        copies = max(2, math.ceil(2 * L2_BYTES / (n * k)))
+        ws = [random_fp8((n, k), g) for _ in range(copies)]
+        for t in tokens:
+            xq, xs = quantize_act(torch.randn(t, k, generator=g, device="cuda", dtype=torch.bfloat16))
+            it = itertools.cycle(ws)
+            yield (f"{name} {n}x{k}", t, n * k, lambda bm, it=it, xq=xq, xs=xs: fp8_gemm(
+                xq, xs, next(it), torch.bfloat16, block_m=bm), [None],
+                lambda bm, w=ws[0], xq=xq, xs=xs: fp8_gemm(xq, xs, w, torch.bfloat16, block_m=bm), None)
+
+
+def grouped_cases(tokens: list[int], experts: list[int], g: torch.Generator):
+    for E in experts:
+        w13 = random_fp8((E, 2 * INTER, DIM), g)
+        w2 = random_fp8((E, DIM, INTER), g)
+        for t in tokens:
+            chosen = torch.rand(t, E, generator=g, device="cuda").topk(min(TOPK, E), -1).indices.int()
+            gates = torch.rand(chosen.shape, generator=g, device="cuda")
+            used = int(torch.unique(chosen).numel())
+            x = torch.randn(t, DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_act(x)
+            yq, ys = quantize_act(torch.randn(chosen.numel() * 2 + E * 64, INTER, generator=g, device="cuda"))
+
+            def layout(A: int, chosen=chosen, gates=gates, E=E):
+                M = math.ceil((chosen.numel() + min(chosen.numel(), E) * (A - 1)) / A) * A
+                tok, be, _, _ = fp8_moe._row_layout(chosen, gates, 0, E, A, M)
+                return tok, be, M
+
+            shipped = fp8_moe.block_rows(chosen.numel())
+            lay = {A: layout(A) for A in (16, 32, 64)}
+            def w13_gemm(bm, lay=lay, xq=xq, xs=xs, shipped=shipped, w13=w13):
+                A = bm or shipped
+                return fp8_gemm(xq, xs, w13, torch.float32, rows=lay[A][0], block_expert=lay[A][1], block_m=A,
+                                sum_splits=False)
+
+            def w2_gemm(bm, lay=lay, yq=yq, ys=ys, shipped=shipped, w2=w2):
+                A = bm or shipped
+                return fp8_gemm(yq, ys, w2, torch.bfloat16, block_expert=lay[A][1], block_m=A, m=lay[A][2],
+                                sum_splits=False)
+
+            yield f"experts E={E} w13", t, used * 2 * INTER * DIM, w13_gemm, [16, 32, 64], w13_gemm, shipped
+            yield f"experts E={E} w2", t, used * DIM * INTER, w2_gemm, [16, 32, 64], w2_gemm, shipped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,64,256")
+    ap.add_argument("--experts", default="32,8")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--dense-tokens", default="1,64,256", help="token counts of the dense cases ('' for none)")
+    ap.add_argument("--stages", default="3,4")
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth("cuda")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=int(ns)) for bn in (64, 128, 256) for nw in (4, 8)
+             for ns in args.stages.split(",")]
+    rows = []
+    cases = list(grouped_cases(tokens, [int(e) for e in args.experts.split(",")], g))
+    if args.dense_tokens:
+        cases += list(dense_cases([int(t) for t in args.dense_tokens.split(",")], g))
+    for name, t, nbytes, fn, block_ms, result, shipped_bm in cases:
+        ref = result(None)
+        ref = ref if ref.dim() == 2 else ref.sum(0)
+        base = time_us(lambda: fn(None), args.reps)
+        best = same = (base, "shipped", 0.0)  # the fastest of all; of those with the shipped block_m
+        for bm in block_ms:
+            for cfg in tiles:
+                with Override(cfg):
+                    try:
+                        out = result(bm)
+                        us = time_us(lambda: fn(bm), args.reps)
+                    except Exception as e:  # out of shared memory / registers: not a candidate
+                        print(f"  {name} T={t} bm={bm} {cfg}: {type(e).__name__}")
+                        continue
+                out = out if out.dim() == 2 else out.sum(0)
+                # (grouped: another block_m is another row layout; only the same layout compares)
+                diff = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item() \
+                    if out.shape == ref.shape else float("nan")
+                label = f"bm={bm} n={cfg['BLOCK_N']} w={cfg['num_warps']} s={cfg['num_stages']}"
+                if us < best[0]:
+                    best = (us, label, diff)
+                if bm == shipped_bm and us < same[0]:
+                    same = (us, label, diff)
+        rows.append((name, t, base, nbytes / base / 1e3, best, same))
+        print(f"  {name} T={t}: shipped {base:.1f} us, best {best[0]:.1f} us ({best[1]})", flush=True)
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; bytes = weights the rows touch, read once\n")
+    print("| GEMM | tokens | shipped us | shipped GB/s | shipped / roofline | best us | best config | best / roofline"
+          " | speed-up | max rel diff | best at the shipped block_m | its us | its max rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, t, base, gbs, (us, cfg, diff), (s_us, s_cfg, s_diff) in rows:
+        roof = base * gbs * 1e3 / bw * 1e6  # the bytes over the copy bandwidth, us (bench_decode's roofline)
+        print(f"| {name} | {t} | {base:.1f} | {gbs:.0f} | {base / roof:.2f} | {us:.1f} | {cfg} | {us / roof:.2f} | "
+              f"{base / us:.2f}x | {diff:.1e} | {s_cfg} | {s_us:.1f} | {s_diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
