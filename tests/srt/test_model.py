@@ -26,18 +26,21 @@ def test_sglangs_logits_code_runs_the_core_head(micro, monkeypatch, deterministi
     lm_head.quant_method = CoreHeadMethod(core)
     lm_head.quant_method.process_weights_after_loading(lm_head)  # SGLang's loader calls it
     rows: list[int] = []
-    linear = ops.linear
+    gemm = ops._gemm
 
     def spy(x, weight):
         if weight is lm_head.weight:
             rows.append(x.shape[0])
-        return linear(x, weight)
+        return gemm(x, weight)
 
-    monkeypatch.setattr(ops, "linear", spy)
+    # every head GEMM goes through ops._gemm: on the CPU over tiles of ops.CPU_ROW_TILE rows,
+    # in the deterministic mode over tiles of DETERMINISTIC_TILE rows
+    monkeypatch.setattr(ops, "_gemm", spy)
     hidden = torch.randn(70, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     # the head step of SGLang's LogitsProcessor, with the attributes that step reads
     logits = LogitsProcessor._compute_lm_head(SimpleNamespace(use_fp32_lm_head=False), hidden, lm_head)
-    assert rows == ([DETERMINISTIC_TILE] * 2 if deterministic else [70])
+    tile = DETERMINISTIC_TILE if deterministic else ops.CPU_ROW_TILE
+    assert rows == [tile] * -(-70 // tile)
     assert torch.equal(logits, core.head_logits(hidden, lm_head.weight))
     # a row's logits do not depend on the rows with it (here on the CPU in both modes)
     alone = LogitsProcessor._compute_lm_head(SimpleNamespace(use_fp32_lm_head=False), hidden[5:6], lm_head)
