@@ -360,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
               "| GPU busy % | roofline ms | step / roofline | vs before | prefill s |")
+    import sglang_dsv4  # which tree this process measures (a "before" run must not be this one)
+    print(f"package {Path(sglang_dsv4.__file__).parent}", flush=True)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()}); {kernel_note()}", flush=True)
     print(header + "\n" + "|---" * 15 + "|", flush=True)
     for cname in args.configs.split(","):

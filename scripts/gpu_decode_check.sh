@@ -92,14 +92,16 @@ if [ -d .bench-prev/sglang_dsv4 ] && [ -z "${NO_BENCH:-}" ]; then
   prev_paths=$PATHS
   [ -n "${PREV_NO_SRT:-}" ] && prev_paths=/tmp/site
   echo "--- before: .bench-prev's package (path $prev_paths)"
-  PYTHONPATH=$prev_paths:$PWD/.bench-prev:$PWD timeout ${PREV_TIMEOUT:-300} python3 -m benchmarks.bench_decode \
-    --out "$OUT/decode_prev.md" ${PREV_ARGS:-${BENCH_ARGS:-}} 2>&1 | tee "$OUT/bench_prev.log" | grep "^|"
+  # -P: `python -m` puts the current directory (this tree, with its own sglang_dsv4) ahead of
+  # PYTHONPATH, so without it the "before" run measured this tree (sessions 7-12's side-by-sides)
+  PYTHONPATH=$prev_paths:$PWD/.bench-prev:$PWD timeout ${PREV_TIMEOUT:-300} python3 -P -m benchmarks.bench_decode \
+    --out "$OUT/decode_prev.md" ${PREV_ARGS:-${BENCH_ARGS:-}} 2>&1 | tee "$OUT/bench_prev.log" | grep "^|\|^package"
 fi
 old=()
 [ -d .bench-old/sglang_dsv4_old ] && old=(--old-root .bench-old)
 if [ -z "${NO_BENCH:-}" ]; then
   echo "--- this tree"
-  timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|captured\|compiled graphs\|Error"
+  timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|^package\|captured\|compiled graphs\|Error"
 fi
 if [ -n "${GENERIC_TOO:-}" ]; then
   # the opt-in shape-generic compilation (core/compiled.py), its own process and compile cache: cold
