@@ -22,9 +22,10 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
-from .step import C128, C128Segments, StepBatch, TablePlan
+from .step import C128, C128Segments, StepBatch, TablePlan, TokenIds, flat_tokens, token_lens
 
 if TYPE_CHECKING:
     from .cache import RequestState
@@ -63,17 +64,18 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def run(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor]
+    def run(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds
             ) -> tuple[Tensor, Tensor] | None:
         """(final streams [b, hc, D], normed hidden [b, D]) of a decode step of ``reqs`` (one new
         token each) by graph replay, for the whole bucket b >= B (rows B.. are padding); None
         when the step is no decode step or has no bucket."""
         B = len(reqs)
         b = self.bucket(B)
-        if b is None or any(t.numel() != 1 for t in ids):
+        if b is None or token_lens(ids) != [1] * B:
             return None
         starts = [r.num_tokens for r in reqs]
-        plan = cache.plan_tables(reqs, starts, [1] * B, torch.tensor(starts))
+        positions = torch.tensor(starts)
+        plan = cache.plan_tables(reqs, starts, [1] * B, positions)
         ratios = sorted(plan.widths)
         widths = tuple(plan.widths[r] for r in ratios)
         key = (b, widths, _storage(cache))
@@ -90,10 +92,9 @@ class DecodeGraphs:
             g = graphs[key] = self._capture(cache, b, plan.widths, plan.entries is not None)
             self.captured.append((b, widths))
             logger.info("sglang_dsv4: captured the decode step for batch %d (entry widths %s)", b, widths)
-        host = decode_inputs(cache, reqs, starts, plan, b)
+        host = decode_inputs(cache, reqs, positions, plan, b)
         g.inputs.copy_(host.pin_memory(), non_blocking=True)
-        flat_ids = ids[0] if B == 1 else torch.cat(list(ids))
-        g.ids[:B].copy_(flat_ids.to(g.ids.device, non_blocking=True))
+        g.ids[:B].copy_(flat_tokens(ids).to(g.ids.device, non_blocking=True))
         g.graph.replay()
         return g.streams, g.hidden
 
@@ -146,27 +147,38 @@ def _storage(cache: V4CacheView) -> tuple[int, ...]:
     return tuple(ptrs + ([req_to_token.data_ptr()] if req_to_token is not None else []))
 
 
-def decode_inputs(cache: V4CacheView, reqs: Sequence[RequestState], starts: list[int], plan: TablePlan,
-                  b: int) -> Tensor:
+def decode_inputs(cache: V4CacheView, reqs: Sequence[RequestState], starts: Sequence[int] | Tensor,
+                  plan: TablePlan, b: int) -> Tensor:
     """A decode step's int64 graph inputs on the host, in ``input_views``' order, padded to ``b``
-    requests (the scratch slot at position 0, writing scratch rows, empty entry tables)."""
-    pad = b - len(reqs)
+    requests (the scratch slot at position 0, writing scratch rows, empty entry tables).
+
+    The rows of one [fields, b] numpy table, each filled by one array operation: the host cost
+    is a few microseconds whatever the batch (a Python operation per request and field, or a
+    torch operation per field, costs more at every size; the step's host time is on the server's
+    critical path)."""
+    B = len(reqs)
     scratch = cache.layout.scratch_slot(cache.slot_state)
-    slots = [r.slot for r in reqs]
-    vals: list[int] = []
-    vals += starts + [0] * pad                                            # positions
-    vals += slots + [scratch] * pad                                       # slots
-    vals += [p + 1 for p in starts] + [1] * pad                           # ends
-    vals += [int(p % C128 != 0) for p in starts] + [0] * pad              # carry
-    vals += slots + [scratch] * pad                                       # store_slot
-    vals += [int((p + 1) % C128 == 0) for p in starts] + [0] * pad        # completes
-    vals += [p - p % C128 for p in starts] + [0] * pad                    # first_pos
     ratios = sorted(plan.widths)
-    for r in ratios:
-        vals += plan.write[r].tolist() + [cache.pools[r].scratch_row] * pad
-    host = torch.tensor(vals, dtype=torch.long)
+    nf = len(_FIELDS)
+    table = np.empty((nf + len(ratios), b), dtype=np.int64)
+    # the padding requests (``_capture``'s all-scratch step)
+    table[:, B:] = np.array([0, scratch, 1, 0, scratch, 0, 0] + [cache.pools[r].scratch_row for r in ratios],
+                            dtype=np.int64)[:, None]
+    p = starts.numpy() if isinstance(starts, Tensor) else np.asarray(starts, dtype=np.int64)
+    slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=B)
+    in_group = p % C128
+    table[0, :B] = p                        # positions
+    table[1, :B] = slots                    # slots
+    table[2, :B] = p + 1                    # ends
+    table[3, :B] = in_group != 0            # carry: the ratio-128 group started before
+    table[4, :B] = slots                    # store_slot
+    table[5, :B] = in_group == C128 - 1     # completes its ratio-128 group
+    table[6, :B] = p - in_group             # first_pos of the group
+    for i, r in enumerate(ratios):
+        table[nf + i, :B] = plan.write[r].numpy()
+    host = torch.from_numpy(table.reshape(-1))
     if plan.entries is not None:  # host-built entry tables (the reference cache)
-        tabs = [torch.nn.functional.pad(plan.entries[r], (0, 0, 0, pad), value=-1).flatten() for r in ratios]
+        tabs = [torch.nn.functional.pad(plan.entries[r], (0, 0, 0, b - B), value=-1).flatten() for r in ratios]
         host = torch.cat([host] + tabs)
     return host
 

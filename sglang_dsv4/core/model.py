@@ -19,6 +19,7 @@ kernel, and the indexer's dot products in float64 (exact for its fp4-valued oper
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -31,13 +32,14 @@ from . import ops
 from .cache import RequestState
 from .compiled import on_gpu
 from .slot_state import C4_STATE_ROWS
-from .step import (CPU_TOKEN_TILE, DETERMINISTIC_TILE, StepBatch, V4CacheView, build_step, pad_step,
-                   step_tables, tile_pieces)
+from .step import (CPU_TOKEN_TILE, DETERMINISTIC_TILE, StepBatch, TokenIds, V4CacheView, build_step,
+                   pad_step, step_tables, tile_pieces, token_lens)
 
 if TYPE_CHECKING:
     from .parallel import DataParallelTokens, ModelParallel
 
 Tensor = torch.Tensor
+_num_tokens = attrgetter("num_tokens")
 
 
 def weight_dtypes(matmul_dtype: torch.dtype, dtype: torch.dtype = torch.float32):
@@ -153,9 +155,10 @@ class V4Model:
 
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
+    def forward(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds,
                 return_streams: bool = False, return_hidden: bool = False, flat: bool = False):
-        """Process ``ids[i]`` as the next tokens of ``reqs[i]``.
+        """Process ``ids[i]`` as the next tokens of ``reqs[i]`` (``ids``: a 1-D tensor per request,
+        or one [B, L] tensor when each request brings L tokens, e.g. a decode step's [B, 1]).
 
         -> logits per request ([n_i, V]) or, with return_hidden, the normed final hidden states the
         head is applied to ([n_i, D]); with return_streams also the final residual streams per
@@ -167,12 +170,12 @@ class V4Model:
         """
         self._check_inputs(cache, reqs, ids)
         if self.deterministic:
-            pieces = tile_pieces([t.numel() for t in ids], DETERMINISTIC_TILE)
+            pieces = tile_pieces(token_lens(ids), DETERMINISTIC_TILE)
             if len(pieces) > 1:
                 return self._forward_pieces(cache, reqs, ids, pieces, return_streams, return_hidden, flat)
         return self._forward_once(cache, reqs, ids, return_streams, return_hidden, flat)
 
-    def _forward_pieces(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
+    def _forward_pieces(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds,
                         pieces: list[list[tuple[int, int, int]]], return_streams: bool, return_hidden: bool,
                         flat: bool):
         """``forward`` as consecutive steps over ``pieces`` (``step.tile_pieces``): a request cut
@@ -190,12 +193,12 @@ class V4Model:
         out = torch.cat(outs)
         h = torch.cat(streams) if return_streams else None
         if not flat:
-            lens = [t.numel() for t in ids]
+            lens = token_lens(ids)
             out = list(torch.split(out, lens))
             h = list(torch.split(h, lens)) if h is not None else None
         return (out, h) if return_streams else out
 
-    def _forward_once(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor],
+    def _forward_once(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds,
                       return_streams: bool, return_hidden: bool, flat: bool):
         """``forward`` as one step (inputs checked)."""
         if self.graphs is not None:
@@ -431,12 +434,18 @@ class V4Model:
     SCORE_BLOCK = 256
 
     # ---- checks, backend and devices ---------------------------------------------------------
-    def _check_inputs(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: Sequence[Tensor]) -> None:
+    def _check_inputs(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds) -> None:
         self._check_backend(cache)
         if len(reqs) != len(ids) or not reqs:
             raise ValueError(f"{len(reqs)} requests with {len(ids)} token tensors")
         if len({r.slot for r in reqs}) != len(reqs):
             raise ValueError("a request appears twice in one step")
+        if isinstance(ids, Tensor):  # L tokens each: the longest request is the one to check
+            if ids.dim() != 2 or ids.shape[1] == 0:
+                raise ValueError(f"token ids of a batch must be a [requests, tokens] tensor, got shape "
+                                 f"{tuple(ids.shape)}")
+            cache.check_length(max(reqs, key=_num_tokens), ids.shape[1])
+            return
         for req, t in zip(reqs, ids):
             if t.dim() != 1 or t.numel() == 0:
                 raise ValueError(f"token ids must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")

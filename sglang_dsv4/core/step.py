@@ -151,6 +151,25 @@ class C128Segments:
 
 _T = TypeVar("_T")
 
+# A step's new tokens: one 1-D tensor per request, or one [B, L] tensor when every request brings
+# L tokens (a decode step's [B, 1]): a server's decode batch arrives as one tensor, and cutting it
+# into B views costs the host a few microseconds per request, every step.
+TokenIds = Sequence[Tensor] | Tensor
+
+
+def token_lens(ids: TokenIds) -> list[int]:
+    """New tokens per request of ``ids``."""
+    if isinstance(ids, Tensor):
+        return [ids.shape[1]] * ids.shape[0]
+    return [t.numel() for t in ids]
+
+
+def flat_tokens(ids: TokenIds) -> Tensor:
+    """All requests' new tokens in request order, as one 1-D tensor."""
+    if isinstance(ids, Tensor):
+        return ids.reshape(-1)
+    return ids[0] if len(ids) == 1 else torch.cat(list(ids))
+
 
 @dataclass
 class StepBatch:
@@ -211,10 +230,10 @@ class StepBatch:
         return torch.where(i[None, :] < lens[:, None], self.row0[:, None] + i[None, :], -1)
 
 
-def build_step(reqs: Sequence[RequestState], ids: Sequence[Tensor], starts: Sequence[int],
+def build_step(reqs: Sequence[RequestState], ids: TokenIds, starts: Sequence[int],
                scratch_slot: int, device: torch.device, with_c128: bool) -> StepBatch:
     """The step's index tensors from host lengths: vectorised on the host, one staged copy."""
-    lens = torch.tensor([t.numel() for t in ids], dtype=torch.long)
+    lens = torch.tensor(token_lens(ids), dtype=torch.long)
     st = torch.tensor(list(starts), dtype=torch.long)
     slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
     B, T = lens.numel(), int(lens.sum())
@@ -227,16 +246,16 @@ def build_step(reqs: Sequence[RequestState], ids: Sequence[Tensor], starts: Sequ
 
     host = {"positions": positions, "tok_req": tok_req, "row0": row0, "slots": slots, "starts": st,
             "ends": st + lens}
-    on_host = [t for t in ids if t.device.type == "cpu"]
-    if len(on_host) == len(ids) and device.type != "cpu":  # token ids from the host ride along
-        host["ids"] = torch.cat(list(ids)).long()
+    on_host = ids.device.type == "cpu" if isinstance(ids, Tensor) else all(t.device.type == "cpu" for t in ids)
+    if on_host and device.type != "cpu":  # token ids from the host ride along
+        host["ids"] = flat_tokens(ids).long()
     if c128 is not None:
         host.update({f"c128_{f}": getattr(c128, f).long() for f in C128_FIELDS})
     dev = stage(host, device)
     if c128 is not None:
         c128 = C128Segments(*(dev[f"c128_{f}"] if f not in ("carry", "completes") else dev[f"c128_{f}"] != 0
                               for f in C128_FIELDS), width=c128.width)
-    flat_ids = dev["ids"] if "ids" in dev else torch.cat([t.to(device) for t in ids])
+    flat_ids = dev["ids"] if "ids" in dev else flat_tokens(ids).to(device)
     return StepBatch(ids=flat_ids, positions=dev["positions"], tok_req=dev["tok_req"],
                      row0=dev["row0"], slots=dev["slots"], starts=dev["starts"], ends=dev["ends"],
                      scratch_slot=scratch_slot, starts_host=st.tolist(), lens_host=lens.tolist(),

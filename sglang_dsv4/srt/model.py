@@ -149,28 +149,33 @@ class DeepseekV4ForCausalLM(nn.Module):
                 self.core.serve_other_ranks()
                 hidden = input_ids.new_zeros((input_ids.shape[0], self.v4.hidden_size), dtype=self.lm_head.weight.dtype)
                 return self.logits_processor(input_ids, hidden, self.lm_head, fb)
-        # the scheduler's host copy of the rows when it has one (no device-to-host sync per step)
+        # the scheduler's host copy of the rows when it has one (no device-to-host sync per step);
+        # the host work below is whole-list operations: a decode step's host cost is on the
+        # critical path (no overlap scheduling, patches/server-arg-overrides.md)
         rows_cpu = getattr(fb, "req_pool_indices_cpu", None)
-        rows = (rows_cpu if rows_cpu is not None else fb.req_pool_indices).tolist()
+        rows_t = rows_cpu if rows_cpu is not None else fb.req_pool_indices.cpu()
+        rows = rows_t.tolist()
+        generations = self.req_generation[rows_t.long()].tolist()  # a host tensor: one gather
         if mode.is_extend():
             prefix_lens, new_lens = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
         else:
-            new_lens = [1] * len(rows)
-            prefix_lens = [int(s) - 1 for s in fb.seq_lens_cpu.tolist()]
+            new_lens = None  # one token each
+            prefix_lens = (fb.seq_lens_cpu - 1).tolist()
         all_ids, padded_tokens = input_ids, input_ids.shape[0]
         if dp:  # dummy rows of a padded batch (decode: dummy requests; extend: trailing tokens)
-            rows, new_lens, prefix_lens = rows[:real], new_lens[:real], prefix_lens[:real]
-            input_ids = input_ids[:sum(new_lens)]
-        generations = self.req_generation
-        states = [cache.bind(r, int(generations[r]), p) for r, p in zip(rows, prefix_lens)]
-        pieces = list(torch.split(input_ids, new_lens))
-        hidden = self._run(cache, rows, [int(generations[r]) for r in rows], states, pieces)
+            rows, generations, prefix_lens = rows[:real], generations[:real], prefix_lens[:real]
+            new_lens = None if new_lens is None else new_lens[:real]
+            input_ids = input_ids[:real if new_lens is None else sum(new_lens)]
+        states = cache.bind_rows(rows, generations, prefix_lens)
+        # a decode batch stays one [B, 1] tensor (core.step.TokenIds)
+        pieces = input_ids.view(-1, 1) if new_lens is None else list(torch.split(input_ids, new_lens))
+        hidden = self._run(cache, rows, generations, states, pieces)
         if dp:
             self.core.serve_other_ranks()
             if hidden.shape[0] < padded_tokens:
                 hidden = torch.cat((hidden, hidden.new_zeros(padded_tokens - hidden.shape[0], hidden.shape[1])))
         input_ids = all_ids
-        if mode.is_extend():
+        if new_lens is not None:
             cache.stats["prompt_tokens_computed"] += sum(new_lens)
         if self.metrics is not None:
             self.metrics.update()
@@ -179,6 +184,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _run(self, cache: SglangV4Cache, rows: list[int], generations: list[int], states, pieces):
         """Core forward; a request with a wanted snapshot inside its chunk is cut there, run in
         passes, and snapshotted between them."""
+        if cache.pending_forks.keys().isdisjoint(rows):  # no request wants a snapshot (most steps)
+            return self.core.forward(cache, states, pieces, return_hidden=True, flat=True).to(self.lm_head.weight.dtype)
         points, cuts = [], []
         for row, gen, st, ids in zip(rows, generations, states, pieces):
             end = st.num_tokens + ids.numel()

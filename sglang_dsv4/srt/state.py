@@ -27,8 +27,9 @@ import logging
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..config import V4Config
@@ -167,6 +168,19 @@ class SglangV4Cache:
         self.rows[row] = _Row(state, generation)
         return state
 
+    def bind_rows(self, rows: Sequence[int], generations: Sequence[int], prefix_lens: Sequence[int]
+                  ) -> list[RequestState]:
+        """``bind`` of each (row, generation, prefix length) of a step, in order; the common case,
+        a row that continues its request where it stopped, without a call per request."""
+        bound, out = self.rows.get, []
+        for row, gen, prefix_len in zip(rows, generations, prefix_lens):
+            b = bound(row)
+            if b is not None and b.generation == gen and b.state.num_tokens == prefix_len:
+                out.append(b.state)
+            else:
+                out.append(self.bind(row, gen, prefix_len))
+        return out
+
     def want_snapshot(self, row: int, generation: int, position: int) -> None:
         """Ask for a snapshot when the request in ``row`` passes ``position`` (a divergence point)."""
         gen, positions = self.pending_forks.get(row, (generation, []))
@@ -222,14 +236,21 @@ class SglangV4Cache:
         """Entry rows for the groups this step completes, from the host pools by count (lengths
         are on the host); the device part (``apply_tables``) files them."""
         self._changes += 1
-        ends = [s + n for s, n in zip(starts, lens)]
+        # array operations over the step's positions (each request's s..e-1), in numpy (a torch
+        # op on the host costs several microseconds; this runs before every step, on the
+        # server's critical path): the tokens that complete a group are the e // r - s // r of
+        # each request, and the last end is the largest position + 1
+        pos = positions.numpy()
+        end = int(pos.max()) + 1
         write, widths = {}, {}
         for r, pool in self.pools.items():
-            rows = pool.alloc(sum(e // r - s // r for s, e in zip(starts, ends)))
-            w = torch.full((positions.numel(),), pool.scratch_row, dtype=torch.long)
-            w[completing_tokens(positions, r)] = rows
-            write[r] = w
-            widths[r] = entry_width(max(e // r for e in ends), self.req_entries[r].shape[1], self.device)
+            done = (pos + 1) % r == 0
+            n = int(np.count_nonzero(done))
+            w = np.full(pos.shape[0], pool.scratch_row, dtype=np.int64)
+            if n:
+                w[done] = pool.alloc(n).numpy()
+            write[r] = torch.from_numpy(w)
+            widths[r] = entry_width(end // r, self.req_entries[r].shape[1], self.device)
         return TablePlan(write, None, widths)
 
     def apply_tables(self, step: StepBatch, write: dict[int, Tensor], entries: dict[int, Tensor] | None,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang_dsv4.core import model as model_mod
@@ -56,3 +57,29 @@ def test_layers_share_the_steps_window_and_compressor_indices(micro, monkeypatch
     assert counts == {"window": 1, "ring": 1, "c4": 1}
     model.forward(cache, reqs, [i[:1] for i in ids])  # the next step: computed again, once
     assert counts == {"window": 2, "ring": 2, "c4": 2}
+
+
+def test_a_batch_as_one_tensor_equals_one_tensor_per_request(micro):
+    """``forward`` takes a step's tokens as one [B, L] tensor (a server's decode batch) as well as
+    one tensor per request: the same step, bit for bit, decode and L = 2 alike; a bad shape or a
+    request that would outgrow the cache is refused as with per-request tensors."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (3, 126, 127)]
+    steps = [torch.randint(0, cfg.vocab_size, (3, L), generator=g) for L in (1, 1, 2, 1)]
+    outs = []
+    for as_tensor in (False, True):
+        cache = SglangV4Cache.with_own_table(cfg, 3, 3 * 256, max_seq_len=256, backend="torch")
+        cache.req_to_token.copy_(torch.arange(1, 3 * 256 + 1).view(3, 256))
+        reqs = [cache.bind(r, 1, 0) for r in range(3)]
+        model.forward(cache, reqs, prompts)
+        for ids in steps:  # crossing a C4 and a C128 boundary
+            outs.append(model.forward(cache, reqs, ids if as_tensor else list(ids), flat=True))
+    half = len(steps)
+    for a, b in zip(outs[:half], outs[half:]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="tokens\\] tensor"):
+        model.forward(cache, reqs, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds the maximum length"):
+        model.forward(cache, reqs, torch.zeros(3, 200, dtype=torch.long))

@@ -8,6 +8,7 @@ import torch
 
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.oracle import OracleModel
+from sglang_dsv4.core.step import entry_width
 from sglang_dsv4.srt.state import SglangV4Cache
 
 ROWS, SLOTS, MAX_LEN = 4, 4096, 1024
@@ -84,3 +85,40 @@ def test_fp8_storage_is_flashmla_sized(micro):
     assert fp8.slot_state["ring"].dtype == torch.uint8
     assert fp8.snapshot_bytes_each < f32.snapshot_bytes_each
     assert fp8.pools[4].row_bytes < f32.pools[4].row_bytes
+
+
+def test_plan_tables_takes_each_requests_completed_groups(micro):
+    """The host plan of a step (whole-tensor ops over its positions) equals each request's own
+    arithmetic: e // r - s // r entry rows per request, handed out in token order to exactly the
+    tokens that complete a group, and tables as wide as the longest request needs."""
+    cfg, _ = micro
+    cache = _cache(cfg, "torch")
+    cache.device = torch.device("cuda")  # only entry_width reads it: the GPU's width buckets
+    starts, lens = [0, 3, 126, 127, 250, 5], [4, 1, 3, 130, 6, 1]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    free = {r: p.num_free for r, p in cache.pools.items()}
+    plan = cache.plan_tables([None] * len(starts), starts, lens, positions)
+    for r, pool in cache.pools.items():
+        want = sum((s + n) // r - s // r for s, n in zip(starts, lens))
+        assert free[r] - pool.num_free == want
+        w = plan.write[r]
+        done = (positions + 1) % r == 0
+        assert int(done.sum()) == want and (w[~done] == pool.scratch_row).all()
+        assert len(set(w[done].tolist())) == want and pool.in_use(w[done]).all()
+        need = max(s + n for s, n in zip(starts, lens)) // r
+        assert plan.widths[r] >= need and plan.widths[r] == entry_width(need, MAX_LEN // r, torch.device("cuda"))
+
+
+def test_bind_rows_is_bind_of_each_row(micro):
+    """``bind_rows`` gives each row the state ``bind`` gives it: the bound state where the row
+    continues its request, a fresh state for a new generation, and bind's error for a mismatch."""
+    cfg, _ = micro
+    cache = _cache(cfg, "torch")
+    a, b = cache.bind(0, 1, 0), cache.bind(1, 1, 0)
+    a.num_tokens, b.num_tokens = 5, 9
+    got = cache.bind_rows([0, 1, 2], [1, 1, 1], [5, 9, 0])
+    assert got[0] is a and got[1] is b and got[2] is cache.rows[2].state and got[2].num_tokens == 0
+    fresh = cache.bind_rows([1], [2], [0])[0]  # a new request in row 1
+    assert fresh is not b and cache.rows[1].generation == 2
+    with pytest.raises(RuntimeError, match="state at 5 tokens, batch continues from 6"):
+        cache.bind_rows([0], [1], [6])
