@@ -215,7 +215,9 @@ class NewPath:
         pos = self.states[0].num_tokens
         rows = torch.arange(1, self.batch + 1, device=self.device)
         c.req_to_token[rows, pos] = self._slots(self.batch)
-        logits = self.model.forward(c, self.states, list(self.ids), flat=True)
+        # the batch's tokens as one [B, 1] tensor, as the server passes them (an older tree
+        # iterates it as B rows: the same step)
+        logits = self.model.forward(c, self.states, self.ids, flat=True)
         self.ids = logits.argmax(-1, keepdim=True)  # batched greedy sampling, as SGLang samples
 
 

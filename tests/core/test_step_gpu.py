@@ -25,10 +25,11 @@ def _prefill_all(model, srv, prompts):
     return states
 
 
-def _decode(model, srv, rows, states, ids):
+def _decode(model, srv, rows, states, ids, as_batch: bool = False):
+    """One decode step; ``as_batch``: the tokens as one [B, 1] tensor, as the server passes them."""
     for r, st in zip(rows, states):
         srv.slots(r, st.num_tokens, 1)
-    return model.forward(srv.cache, states, [t.view(1) for t in ids])
+    return model.forward(srv.cache, states, ids.view(-1, 1) if as_batch else [t.view(1) for t in ids])
 
 
 def test_batched_decode_equals_each_request_alone(tiny_gpu, serving_rows):
@@ -131,7 +132,8 @@ def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu, graphs, serving
 def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu, serving_rows):
     """Eight requests (a bucket: no padding) decoded eagerly and from CUDA graphs, over two
     caches filled identically: the logits are equal, step after step, across a C4 and a C128
-    group boundary."""
+    group boundary. The replayed steps take their tokens as one [8, 1] tensor (the server's
+    form), the eager ones as a tensor per request."""
     cfg, w = tiny_gpu
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 120, 125, 126, 127, 250, 255)]
@@ -143,7 +145,7 @@ def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu, serving_rows):
             model.enable_cuda_graphs(max_batch=16)
         srv = serving_rows(cfg, 9)
         states = _prefill_all(model, srv, prompts)
-        outs.append(torch.stack([torch.cat(_decode(model, srv, range(8), states, tails[:, t]))
+        outs.append(torch.stack([torch.cat(_decode(model, srv, range(8), states, tails[:, t], as_batch=graphs))
                                  for t in range(tails.shape[1])]))
         if graphs:
             assert model.graphs.captured and model.graphs.captured[0][0] == 8
