@@ -38,25 +38,6 @@ from types import SimpleNamespace
 import torch
 
 
-class Timer:
-    """Wall time spent inside wrapped methods, per name, for the current step."""
-
-    def __init__(self) -> None:
-        self.t: dict[str, float] = {}
-
-    def wrap(self, owner, attr: str, name: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
-
-
 def measure(batches: list[int], context: int, steps: int) -> list[dict]:
     """Per batch: median microseconds of each host part of a decode step (module docstring)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -68,11 +49,12 @@ def measure(batches: list[int], context: int, steps: int) -> list[dict]:
     from sglang_dsv4.tiny import preset_config
 
     from .bench_decode import random_weights
+    from .profile_decode import PhaseTimer
 
     torch.set_num_threads(1)  # no OpenMP workers spinning beside the timed host code after each compute
     cfg = preset_config("micro")
     w = random_weights(cfg, "cpu", torch.float32)
-    timer = Timer()
+    timer = PhaseTimer()
     timer.wrap(model_mod.V4Model, "forward", "core")
     rows_out = []
     for B in batches:
@@ -108,7 +90,7 @@ def measure(batches: list[int], context: int, steps: int) -> list[dict]:
             total = time.perf_counter() - t0
             ids = hidden[:, :cfg.vocab_size].argmax(-1) % cfg.vocab_size
             if step >= 3:
-                parts["adapter"].append(total - timer.t["core"])
+                parts["adapter"].append(total - sum(timer.t["core"]))
         # the graph path's host part (DecodeGraphs.run before its copy), on a cache of its own; a
         # loop of its own, so that no CPU compute of the model precedes it (on a GPU none does)
         graph_cache = SglangV4Cache.with_own_table(cfg, B + 1, (B + 1) * (steps + 8) + 64, max_len, backend="torch")

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from .step import C128, C128Segments, StepBatch, TablePlan, TokenIds, flat_tokens, token_lens
+from .step import (C128, C128Segments, StepBatch, TablePlan, TokenIds, completing_tokens, flat_tokens,
+                   token_lens)
 
 if TYPE_CHECKING:
     from .cache import RequestState
@@ -172,7 +173,7 @@ def decode_inputs(cache: V4CacheView, reqs: Sequence[RequestState], starts: Sequ
     table[2, :B] = p + 1                    # ends
     table[3, :B] = in_group != 0            # carry: the ratio-128 group started before
     table[4, :B] = slots                    # store_slot
-    table[5, :B] = in_group == C128 - 1     # completes its ratio-128 group
+    table[5, :B] = completing_tokens(p, C128)  # completes its ratio-128 group
     table[6, :B] = p - in_group             # first_pos of the group
     for i, r in enumerate(ratios):
         table[nf + i, :B] = plan.write[r].numpy()

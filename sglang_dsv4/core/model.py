@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from .parallel import DataParallelTokens, ModelParallel
 
 Tensor = torch.Tensor
-_num_tokens = attrgetter("num_tokens")
 
 
 def weight_dtypes(matmul_dtype: torch.dtype, dtype: torch.dtype = torch.float32):
@@ -444,7 +443,7 @@ class V4Model:
             if ids.dim() != 2 or ids.shape[1] == 0:
                 raise ValueError(f"token ids of a batch must be a [requests, tokens] tensor, got shape "
                                  f"{tuple(ids.shape)}")
-            cache.check_length(max(reqs, key=_num_tokens), ids.shape[1])
+            cache.check_length(max(reqs, key=attrgetter("num_tokens")), ids.shape[1])
             return
         for req, t in zip(reqs, ids):
             if t.dim() != 1 or t.numel() == 0:

@@ -336,7 +336,8 @@ def pad_step(step: StepBatch, tile: int, scratch_rows: dict[int, int]) -> StepBa
 
 
 def completing_tokens(positions: Tensor, ratio: int) -> Tensor:
-    """[T] bool: token t completes group (p + 1) // ratio - 1."""
+    """[T] bool: token t completes group (p + 1) // ratio - 1 (a tensor, or a numpy array for
+    numpy positions: the host plans steps in numpy)."""
     return (positions + 1) % ratio == 0
 
 

@@ -166,7 +166,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             rows, generations, prefix_lens = rows[:real], generations[:real], prefix_lens[:real]
             new_lens = None if new_lens is None else new_lens[:real]
             input_ids = input_ids[:real if new_lens is None else sum(new_lens)]
-        states = cache.bind_rows(rows, generations, prefix_lens)
+        states = [cache.bind(r, g, p) for r, g, p in zip(rows, generations, prefix_lens)]
         # a decode batch stays one [B, 1] tensor (core.step.TokenIds)
         pieces = input_ids.view(-1, 1) if new_lens is None else list(torch.split(input_ids, new_lens))
         hidden = self._run(cache, rows, generations, states, pieces)
@@ -184,13 +184,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _run(self, cache: SglangV4Cache, rows: list[int], generations: list[int], states, pieces):
         """Core forward; a request with a wanted snapshot inside its chunk is cut there, run in
         passes, and snapshotted between them."""
-        if cache.pending_forks.keys().isdisjoint(rows):  # no request wants a snapshot (most steps)
-            return self.core.forward(cache, states, pieces, return_hidden=True, flat=True).to(self.lm_head.weight.dtype)
         points, cuts = [], []
-        for row, gen, st, ids in zip(rows, generations, states, pieces):
-            end = st.num_tokens + ids.numel()
-            points.append(cache.fork_points(row, gen, st.num_tokens, end))
-            cuts.append([0] + [p - st.num_tokens for p in points[-1] if p < end] + [ids.numel()])
+        if not cache.pending_forks.keys().isdisjoint(rows):  # some row wants a snapshot (most steps: none)
+            for row, gen, st, ids in zip(rows, generations, states, pieces):
+                end = st.num_tokens + ids.numel()
+                points.append(cache.fork_points(row, gen, st.num_tokens, end))
+                cuts.append([0] + [p - st.num_tokens for p in points[-1] if p < end] + [ids.numel()])
         if all(len(c) == 2 for c in cuts):  # no cut: one pass, the core's rows already in batch order
             hidden = self.core.forward(cache, states, pieces, return_hidden=True, flat=True)
             for st, pts in zip(states, points):

@@ -27,7 +27,7 @@ import logging
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -168,19 +168,6 @@ class SglangV4Cache:
         self.rows[row] = _Row(state, generation)
         return state
 
-    def bind_rows(self, rows: Sequence[int], generations: Sequence[int], prefix_lens: Sequence[int]
-                  ) -> list[RequestState]:
-        """``bind`` of each (row, generation, prefix length) of a step, in order; the common case,
-        a row that continues its request where it stopped, without a call per request."""
-        bound, out = self.rows.get, []
-        for row, gen, prefix_len in zip(rows, generations, prefix_lens):
-            b = bound(row)
-            if b is not None and b.generation == gen and b.state.num_tokens == prefix_len:
-                out.append(b.state)
-            else:
-                out.append(self.bind(row, gen, prefix_len))
-        return out
-
     def want_snapshot(self, row: int, generation: int, position: int) -> None:
         """Ask for a snapshot when the request in ``row`` passes ``position`` (a divergence point)."""
         gen, positions = self.pending_forks.get(row, (generation, []))
@@ -244,7 +231,7 @@ class SglangV4Cache:
         end = int(pos.max()) + 1
         write, widths = {}, {}
         for r, pool in self.pools.items():
-            done = (pos + 1) % r == 0
+            done = completing_tokens(pos, r)
             n = int(np.count_nonzero(done))
             w = np.full(pos.shape[0], pool.scratch_row, dtype=np.int64)
             if n:

@@ -107,18 +107,3 @@ def test_plan_tables_takes_each_requests_completed_groups(micro):
         assert len(set(w[done].tolist())) == want and pool.in_use(w[done]).all()
         need = max(s + n for s, n in zip(starts, lens)) // r
         assert plan.widths[r] >= need and plan.widths[r] == entry_width(need, MAX_LEN // r, torch.device("cuda"))
-
-
-def test_bind_rows_is_bind_of_each_row(micro):
-    """``bind_rows`` gives each row the state ``bind`` gives it: the bound state where the row
-    continues its request, a fresh state for a new generation, and bind's error for a mismatch."""
-    cfg, _ = micro
-    cache = _cache(cfg, "torch")
-    a, b = cache.bind(0, 1, 0), cache.bind(1, 1, 0)
-    a.num_tokens, b.num_tokens = 5, 9
-    got = cache.bind_rows([0, 1, 2], [1, 1, 1], [5, 9, 0])
-    assert got[0] is a and got[1] is b and got[2] is cache.rows[2].state and got[2].num_tokens == 0
-    fresh = cache.bind_rows([1], [2], [0])[0]  # a new request in row 1
-    assert fresh is not b and cache.rows[1].generation == 2
-    with pytest.raises(RuntimeError, match="state at 5 tokens, batch continues from 6"):
-        cache.bind_rows([0], [1], [6])
