@@ -333,10 +333,10 @@ class V4Model:
                    cache: V4CacheView) -> Tensor:
         cfg, qs, pos = self.cfg, self.quant_sim, step.positions
         freqs = ops.layer_inv_freqs(cfg, ratio, self.device)
-        q, qr = ops.project_q(x, w, pos, freqs, cfg)
+        backend = self._backend(cache)
+        q, qr = ops.project_q(x, w, pos, freqs, cfg, backend.query_dtype)
         kv = ops.project_kv(x, w, pos, freqs, cfg, qs)
         comp_idx = table = entries = entry_layout = None
-        backend = self._backend(cache)
         if ratio:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
             a, s = ops.compressor_projections(x, w, "attn.compressor", pos, ratio)
@@ -362,7 +362,7 @@ class V4Model:
             ring_layout=cache.layout.ring, comp_idx=comp_idx, entry_table=table,
             entries=entries, entry_layout=entry_layout, sink=w["attn.attn_sink"], scale=cfg.softmax_scale,
             decode_kernel=not self.deterministic, ratio=ratio))
-        out = ops.attention_output(o, w, pos, freqs, cfg)
+        out = ops.attention_output(o, w, pos, freqs, cfg, x.dtype)
         return self.parallel.reduce_attention(out) if self.parallel else out
 
     @staticmethod

@@ -242,12 +242,14 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
 
 @on_gpu(rows={"x": (0,), "positions": (0,)})
 def project_q(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
-              cfg: V4Config) -> tuple[Tensor, Tensor]:
-    """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer)."""
+              cfg: V4Config, q_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer).
+    ``q_dtype``: q rounded to the attention kernel's input dtype here (FlashMLA's bf16), where
+    the rounding fuses with the RoPE instead of costing a pass of its own."""
     qr = rms_norm(linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], cfg.rms_norm_eps)
     q = linear(qr, w["attn.wq_b.weight"]).view(x.shape[0], -1, cfg.head_dim)
-    q = rms_norm(q, None, cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freqs), qr
+    q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), positions, inv_freqs)
+    return (q if q_dtype is None else q.to(q_dtype)), qr
 
 
 @on_gpu(rows={"x": (0,), "positions": (0,)})
@@ -266,9 +268,11 @@ def _fp8_nope(kv: Tensor, cfg: V4Config) -> Tensor:
 
 @on_gpu(rows={"o": (0,), "positions": (0,)})
 def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
-                     cfg: V4Config) -> Tensor:
-    """o: [T, H, Dh] -> [T, D]: inverse RoPE by the query position, grouped wo_a, then wo_b."""
-    o = apply_rope(o, positions, inv_freqs, inverse=True)
+                     cfg: V4Config, dtype: torch.dtype | None = None) -> Tensor:
+    """o: [T, H, Dh] -> [T, D]: inverse RoPE by the query position, grouped wo_a, then wo_b.
+    ``dtype``: the activations' dtype, o's first (exact) cast: the kernel's bf16 output is
+    widened inside this fused region rather than by a pass of its own."""
+    o = apply_rope(o if dtype is None else o.to(dtype), positions, inv_freqs, inverse=True)
     # the groups held here: all o_groups, or a tensor-parallel rank's share (core.parallel)
     G = w["attn.wo_a.weight"].shape[0] // cfg.o_lora_rank
     T = o.shape[0]

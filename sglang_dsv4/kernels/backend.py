@@ -115,6 +115,9 @@ class AttentionBackend(ABC):
     name: str
     # True when storage keeps only FP8/FP4-QAT'ed vectors exactly (the model must run quant_sim)
     needs_quant_sim: bool = False
+    # the queries' dtype the kernel takes (the model rounds q to it in its fused projection);
+    # None: the activations' own
+    query_dtype: torch.dtype | None = None
 
     @abstractmethod
     def window_layout(self, cfg: V4Config, dtype: torch.dtype = torch.float32) -> RowLayout:
@@ -127,7 +130,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, batch: AttnBatch) -> Tensor:
-        """Write the new window rows into the rings and return the attention output [T, H, Dh]."""
+        """Write the new window rows into the rings and return the attention output [T, H, Dh],
+        in the kernel's output dtype (the model widens it to the activations' dtype)."""
 
     def index_scores(self, qi: Tensor, head_weights: Tensor, keys: Tensor, layout: RowLayout,
                      entry_table: Tensor, tok_req: Tensor) -> Tensor | None:

@@ -92,7 +92,7 @@ class SparseMLABackend(AttentionBackend):
             raise ValueError(f"unknown precision {precision!r} (bf16 or fp32)")
         self.kernels = kernels
         self.name = name or f"sparse-mla[{kernels.name}, {precision}]"
-        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.dtype = self.query_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     def window_layout(self, cfg: V4Config, dtype: torch.dtype = torch.float32) -> RowLayout:
         return fp8_window_layout(cfg, self.dtype)
@@ -132,7 +132,7 @@ class SparseMLABackend(AttentionBackend):
         sched = st.derived(("decode_sched", b.ratio, W), self.kernels.new_sched)
         out = self.kernels.decode(b.q.to(self.dtype).unsqueeze(1), b.ring, b.ring_layout, idx, lengths,
                                   b.sink.float().contiguous(), b.scale, sched=sched, **extra)
-        return out[:, 0].to(b.q.dtype)
+        return out[:, 0]
 
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, b: AttnBatch) -> Tensor:
@@ -151,4 +151,4 @@ class SparseMLABackend(AttentionBackend):
         kv = torch.cat(parts).to(self.dtype).unsqueeze(1)  # stored values: exact in bf16
         out = self.kernels.prefill(b.q.to(self.dtype), kv, indices.contiguous(), b.sink.float().contiguous(),
                                    b.scale)
-        return out.to(b.q.dtype)
+        return out

@@ -179,3 +179,22 @@ def test_one_model_over_caches_made_one_after_another_replays_each_caches_own_gr
         gc.collect()
         assert torch.equal(got, want), rows_len
         assert len(graphed.graphs.graphs) == 0  # the caches of the finished runs took their graphs along
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_the_attention_casts_inside_the_fused_projections_give_the_same_bits(tiny_gpu, tokens):
+    """q rounded to FlashMLA's bf16 inside ``project_q`` and the kernel's bf16 output widened
+    inside ``attention_output`` (one fused region each on the GPU) give the bits of the separate
+    casts they replace: the eager ``q.to(bf16)`` and ``o.to(float32)`` around the kernel."""
+    cfg, w = tiny_gpu
+    lw = ops.layer_view(w, "layers.0")
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g, device=DEV)
+    pos = torch.randint(0, 70000, (tokens,), generator=g, device=DEV)
+    freqs = ops.layer_inv_freqs(cfg, 0, DEV)
+    q, qr = ops.project_q(x, lw, pos, freqs, cfg, torch.bfloat16)
+    q_was, qr_was = ops.project_q(x, lw, pos, freqs, cfg)
+    assert q.dtype == torch.bfloat16 and torch.equal(q, q_was.to(torch.bfloat16)) and torch.equal(qr, qr_was)
+    o = torch.randn(tokens, cfg.num_attention_heads, cfg.head_dim, generator=g, device=DEV).to(torch.bfloat16)
+    got = ops.attention_output(o, lw, pos, freqs, cfg, torch.float32)
+    assert torch.equal(got, ops.attention_output(o.float(), lw, pos, freqs, cfg))
