@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
-from ..kernels import hc_mixes as hc_mixes_kernel
 from ..kernels import hc_split
 from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
@@ -152,16 +151,12 @@ def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config,
 
 def _mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
     flat = h.flatten(1)
-    if hc_mixes_kernel.supported(flat, fn):  # the GPU: split-K partials, added here in chunk order
-        part, sq = hc_mixes_kernel.mixes_partials(flat, fn)
-        return part.sum(0)[:, :fn.shape[0]] * torch.rsqrt(sq.sum(0)[:, None] / flat.shape[1] + cfg.rms_norm_eps)
     return linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
 
 
 @on_gpu(rows={"h": (0,)})
 def hc_mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
-    """h [T, hc, D] -> the mixes [T, (2 + hc) * hc] (RMS over all hc * D values, §5.3). On the
-    GPU the GEMM and the sum of squares are one split-K kernel (``kernels.hc_mixes``)."""
+    """h [T, hc, D] -> the mixes [T, (2 + hc) * hc] (RMS over all hc * D values, §5.3)."""
     return _mixes(h, fn, cfg)
 
 
