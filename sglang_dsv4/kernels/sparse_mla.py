@@ -92,7 +92,12 @@ class SparseMLABackend(AttentionBackend):
             raise ValueError(f"unknown precision {precision!r} (bf16 or fp32)")
         self.kernels = kernels
         self.name = name or f"sparse-mla[{kernels.name}, {precision}]"
-        self.dtype = self.query_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    @property
+    def query_dtype(self) -> torch.dtype:
+        """The kernels take their queries in the storage's precision."""
+        return self.dtype
 
     def window_layout(self, cfg: V4Config, dtype: torch.dtype = torch.float32) -> RowLayout:
         return fp8_window_layout(cfg, self.dtype)
