@@ -120,12 +120,22 @@ def main() -> None:
         cache.req_to_token[b, ctx] = ctx + b
         states.append(cache.bind(b, 1, ctx))
     ids = [torch.randint(0, cfg.vocab_size, (1,)) for _ in range(B)]
+    decode_calls = 0
+    decode = sparse_mla.SparseMLABackend._decode
+
+    def counted_decode(self, b):  # which attention path the step took (the GPU's: the decode kernel)
+        nonlocal decode_calls
+        decode_calls += 1
+        return decode(self, b)
+
+    sparse_mla.SparseMLABackend._decode = counted_decode
     census = OpCensus(regions)
     with census:
         model.forward(cache, states, ids, flat=True)
     total = sum(census.counts.values())
     print(f"{args.config}: {cfg.num_hidden_layers} layers (ratios {list(cfg.compress_ratios)}), batch {B}, "
           f"context {ctx}: {total} ops outside the fused regions in one decode step")
+    print(f"layers through the decode kernel's path: {decode_calls}")
     print("\n| ops | where |\n|---|---|")
     for site, n in census.counts.most_common(args.top):
         print(f"| {n} | {site} |")

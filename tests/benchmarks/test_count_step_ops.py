@@ -18,5 +18,7 @@ def test_counts_the_unfused_ops_of_a_decode_step():
     total = int(re.search(r"(\d+) ops outside the fused regions", r.stdout).group(1))
     sites = dict((s, int(n)) for n, s in re.findall(r"^\| (\d+) \| (\S+) \|$", r.stdout, re.M))
     assert total > 0 and sum(sites.values()) <= total
-    assert "kernels/sparse_mla.py:_decode" in sites  # the GPU's decode call path ran
+    layers = int(re.search(r"(\d+) layers \(ratios", r.stdout).group(1))
+    # the GPU's decode call path ran in every layer
+    assert int(re.search(r"layers through the decode kernel's path: (\d+)", r.stdout).group(1)) == layers
     assert not any(s.endswith((":rms_norm", ":hc_mixes", ":project_q")) for s in sites)  # fused on a GPU
