@@ -90,11 +90,12 @@ def on_gpu(fn: F | None = None, *, rows: Dims | None = None, widths: Dims | None
 def mark_dims(args: tuple, kwargs: dict, marks: Sequence[tuple[int, str, int, bool]]) -> None:
     """Mark the declared dims of a call's tensor arguments (``on_gpu``'s generic mode)."""
     for i, name, d, unbacked in marks:
-        t = args[i] if i < len(args) else kwargs.get(name)
-        if not isinstance(t, torch.Tensor) or not -t.dim() <= d < t.dim():
-            continue
-        d %= t.dim()
-        if unbacked:
-            torch._dynamo.decorators.mark_unbacked(t, d)
-        else:
-            torch._dynamo.mark_dynamic(t, d)
+        arg = args[i] if i < len(args) else kwargs.get(name)
+        for t in (arg if isinstance(arg, tuple) else (arg,)):  # a tuple of tensors (ops.Rope): each
+            if not isinstance(t, torch.Tensor) or not -t.dim() <= d < t.dim():
+                continue
+            dt = d % t.dim()
+            if unbacked:
+                torch._dynamo.decorators.mark_unbacked(t, dt)
+            else:
+                torch._dynamo.mark_dynamic(t, dt)

@@ -332,10 +332,11 @@ class V4Model:
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
                    cache: V4CacheView) -> Tensor:
         cfg, qs, pos = self.cfg, self.quant_sim, step.positions
-        freqs = ops.layer_inv_freqs(cfg, ratio, self.device)
+        freqs = ops.layer_inv_freqs(cfg, ratio, self.device)  # one set for ratio 0, one for the others
+        rope = step.derived(("rope", ratio > 0), lambda: ops.rope_at(pos, freqs))
         backend = self._backend(cache)
-        q, qr = ops.project_q(x, w, pos, freqs, cfg, backend.query_dtype)
-        kv = ops.project_kv(x, w, pos, freqs, cfg, qs)
+        q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype)
+        kv = ops.project_kv(x, w, rope, cfg, qs)
         comp_idx = table = entries = entry_layout = None
         if ratio:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
@@ -348,7 +349,7 @@ class V4Model:
                 ia, is_ = ops.compressor_projections(x, w, "attn.indexer.compressor", pos, 4)
                 keys = self._c4_entries(cache, step, c4, "index", ia, is_, w, "attn.indexer.compressor", freqs, True)
                 pool.write(f"index{layer}", self._write_rows(step, pool, f"index{layer}", 4), keys)
-                qi, hw = ops.indexer_queries(x, qr, w, pos, freqs, cfg, qs)
+                qi, hw = ops.indexer_queries(x, qr, w, rope, cfg, qs)
                 comp_idx = self._select(backend, pool, f"index{layer}", table, step, qi, hw, visible)
             else:
                 new = self._c128_entries(cache, step, cache.c128_index[layer], a, s, w, freqs)
@@ -362,7 +363,7 @@ class V4Model:
             ring_layout=cache.layout.ring, comp_idx=comp_idx, entry_table=table,
             entries=entries, entry_layout=entry_layout, sink=w["attn.attn_sink"], scale=cfg.softmax_scale,
             decode_kernel=not self.deterministic, ratio=ratio))
-        out = ops.attention_output(o, w, pos, freqs, cfg, x.dtype)
+        out = ops.attention_output(o, w, rope, cfg, x.dtype)
         return self.parallel.reduce_attention(out) if self.parallel else out
 
     @staticmethod
@@ -383,7 +384,8 @@ class V4Model:
         # inside it from the chunk
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"][:, c4], cache.slot_state[f"c4_{kind}_s"][:, c4]
         idx, dst = step.derived(("c4_windows",), lambda: _c4_window_rows(step))
-        entries = ops.c4_entries(a, s, st_a, st_s, step.slots, idx, w, prefix, step.positions, freqs, self.cfg,
+        rope = step.derived(("rope_c4_entries",), lambda: ops.rope_at(step.positions - 3, freqs))  # group starts
+        entries = ops.c4_entries(a, s, st_a, st_s, step.slots, idx, w, prefix, rope, self.cfg,
                                  is_indexer, self.quant_sim)
         st_a[dst] = a
         st_s[dst] = s
@@ -396,7 +398,8 @@ class V4Model:
         seg, state = step.c128, cache.slot_state["c128"][:, c128]  # this layer's states [slots, 3, d]
         slots = step.derived(("c128_slots",), lambda: step.slots[step.tok_req[seg.last_tok]])
         run = ops.online_softmax_pool(a, s, seg.tok, ops.c128_start(seg.carry, slots, state, a), seg.width)
-        store, entries = ops.c128_finish(run, seg.completes, w, seg.first_pos, freqs, self.cfg, self.quant_sim)
+        rope = step.derived(("rope_c128_entries",), lambda: ops.rope_at(seg.first_pos, freqs))
+        store, entries = ops.c128_finish(run, seg.completes, w, rope, self.cfg, self.quant_sim)
         state[seg.store_slot] = store
         return entries
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -113,15 +114,30 @@ def _device_inv_freqs(rope_dim: int, base: float, scaling: RopeScaling | None, d
     return _inv_freqs(rope_dim, base, scaling).to(device)
 
 
-def apply_rope(x: Tensor, positions: Tensor, inv_freqs: Tensor, inverse: bool = False) -> Tensor:
-    """Rotate the last 2*len(inv_freqs) dims of x (interleaved pairs) by angle pos * f.
+class Rope(NamedTuple):
+    """The rotation of each row's position: cos and sin of its angles pos * f, [T, rd/2] float64."""
 
-    x: [T, ..., d]; positions: [T]. Angles are formed in float64 so large positions stay exact.
-    """
-    rd = 2 * inv_freqs.numel()
+    cos: Tensor
+    sin: Tensor
+
+
+@on_gpu(rows={"positions": (0,)})
+def rope_at(positions: Tensor, inv_freqs: Tensor) -> Rope:
+    """The rotations of ``positions`` [T] at frequencies ``inv_freqs``. Angles are formed in
+    float64 so large positions stay exact. Built once per step and position set (``V4Model``):
+    inside a fused region Inductor recomputes a table like this for every element it rotates,
+    float64 cosines and sines for each of a [T, H, Dh] output (session-13 census: ~90 us per
+    layer for attention_output's rotation at batch 256, ~8x its bytes)."""
     angles = positions.to(torch.float64)[:, None] * inv_freqs.to(positions.device)[None, :]
-    cos = torch.cos(angles).to(x.dtype)
-    sin = torch.sin(angles).to(x.dtype)
+    return Rope(torch.cos(angles), torch.sin(angles))
+
+
+def apply_rope(x: Tensor, rope: Rope, inverse: bool = False) -> Tensor:
+    """Rotate the last 2 * rd/2 dims of x (interleaved pairs) by each row's ``rope`` [T, rd/2]
+    (``inverse``: by minus its angles). x: [T, ..., d]."""
+    rd = 2 * rope.cos.shape[-1]
+    cos = rope.cos.to(x.dtype)
+    sin = rope.sin.to(x.dtype)
     if inverse:
         sin = -sin
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
@@ -240,24 +256,23 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
 
 # ---- attention projections (§2.2-§2.5) ------------------------------------------------------
 
-@on_gpu(rows={"x": (0,), "positions": (0,)})
-def project_q(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
-              cfg: V4Config, q_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+@on_gpu(rows={"x": (0,), "rope": (0,)})
+def project_q(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
+              q_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer).
     ``q_dtype``: q rounded to the attention kernel's input dtype here (FlashMLA's bf16), where
     the rounding fuses with the RoPE instead of costing a pass of its own."""
     qr = rms_norm(linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], cfg.rms_norm_eps)
     q = linear(qr, w["attn.wq_b.weight"]).view(x.shape[0], -1, cfg.head_dim)
-    q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), positions, inv_freqs)
+    q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), rope)
     return (q if q_dtype is None else q.to(q_dtype)), qr
 
 
-@on_gpu(rows={"x": (0,), "positions": (0,)})
-def project_kv(x: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
-               cfg: V4Config, quant_sim: bool) -> Tensor:
+@on_gpu(rows={"x": (0,), "rope": (0,)})
+def project_kv(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config, quant_sim: bool) -> Tensor:
     """x: [T, D] -> window KV [T, Dh] (one shared head; K = V)."""
     kv = rms_norm(linear(x, w["attn.wkv.weight"]), w["attn.kv_norm.weight"], cfg.rms_norm_eps)
-    kv = apply_rope(kv, positions, inv_freqs)
+    kv = apply_rope(kv, rope)
     return _fp8_nope(kv, cfg) if quant_sim else kv
 
 
@@ -266,13 +281,13 @@ def _fp8_nope(kv: Tensor, cfg: V4Config) -> Tensor:
     return torch.cat((fp8_qat(kv[..., :nope], 64), kv[..., nope:]), dim=-1)
 
 
-@on_gpu(rows={"o": (0,), "positions": (0,)})
-def attention_output(o: Tensor, w: dict[str, Tensor], positions: Tensor, inv_freqs: Tensor,
-                     cfg: V4Config, dtype: torch.dtype | None = None) -> Tensor:
+@on_gpu(rows={"o": (0,), "rope": (0,)})
+def attention_output(o: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
+                     dtype: torch.dtype | None = None) -> Tensor:
     """o: [T, H, Dh] -> [T, D]: inverse RoPE by the query position, grouped wo_a, then wo_b.
     ``dtype``: the activations' dtype, o's first (exact) cast: the kernel's bf16 output is
     widened inside this fused region rather than by a pass of its own."""
-    o = apply_rope(o if dtype is None else o.to(dtype), positions, inv_freqs, inverse=True)
+    o = apply_rope(o if dtype is None else o.to(dtype), rope, inverse=True)
     # the groups held here: all o_groups, or a tensor-parallel rank's share (core.parallel)
     G = w["attn.wo_a.weight"].shape[0] // cfg.o_lora_rank
     T = o.shape[0]
@@ -352,22 +367,23 @@ def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
     return (torch.softmax(s, dim=-1) * a).sum(-1)
 
 
-@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "positions": (0,)})
+@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "rope": (0,)})
 def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
-               w: dict[str, Tensor], prefix: str, positions: Tensor, inv_freqs: Tensor, cfg: V4Config,
+               w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
                is_indexer: bool, quant_sim: bool) -> Tensor:
     """The C4 entry each token's 8-row window completes, finished (``finish_entries``) -> [T, d].
 
     The window's rows come from [the step's requests' rows of this layer's slot states
     ``state_*`` [slots, 8, 2d] (``slots`` [B]: B * 8 rows); the chunk's rows a, s (T); a padding
     row (a 0, s -inf)], ``idx`` [T, 8] indexing that concatenation; a token at position p pools
-    positions p-7..p, the group's first token p - 3. One fused region on the GPU."""
+    positions p-7..p, the group's first token p - 3 (``rope``: each token's rotation at p - 3).
+    One fused region on the GPU."""
     d2 = a.shape[1]
     prev_a, prev_s = state_a[slots].reshape(-1, d2), state_s[slots].reshape(-1, d2)
     src_a = torch.cat((prev_a, a, a.new_zeros(1, d2)))
     src_s = torch.cat((prev_s, s, s.new_full((1, d2), float("-inf"))))
     pooled = pool_c4_windows(src_a[idx], src_s[idx])
-    return finish_entries(pooled, w, prefix, positions - 3, inv_freqs, cfg, is_indexer, quant_sim)
+    return finish_entries(pooled, w, prefix, rope, cfg, is_indexer, quant_sim)
 
 
 def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width: int) -> Tensor:
@@ -410,23 +426,24 @@ def c128_start(carry: Tensor, slots: Tensor, state: Tensor, a: Tensor) -> Tensor
     return torch.where(carry[:, None, None], state[slots], _empty_pool_state(a))
 
 
-@on_gpu(rows={"run": (0,), "completes": (0,), "first_positions": (0,)})
-def c128_finish(run: Tensor, completes: Tensor, w: dict[str, Tensor], first_positions: Tensor, inv_freqs: Tensor,
-                cfg: V4Config, quant_sim: bool) -> tuple[Tensor, Tensor]:
+@on_gpu(rows={"run": (0,), "completes": (0,), "rope": (0,)})
+def c128_finish(run: Tensor, completes: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
+                quant_sim: bool) -> tuple[Tensor, Tensor]:
     """Each segment's state after its rows [G, 3, d] -> (the state its slot keeps: empty where the
-    group completed; its pooled entry, finished, [G, d]: meaningful where it completed)."""
+    group completed; its pooled entry, finished, [G, d]: meaningful where it completed). ``rope``:
+    each segment's rotation at its group's first position."""
     store = torch.where(completes[:, None, None], _empty_pool_state(run[:, 0]), run)
     pooled = run[:, 2] / run[:, 1]
-    return store, finish_entries(pooled, w, "attn.compressor", first_positions, inv_freqs, cfg, False, quant_sim)
+    return store, finish_entries(pooled, w, "attn.compressor", rope, cfg, False, quant_sim)
 
 
-@on_gpu(rows={"pooled": (0,), "first_positions": (0,)})
-def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_positions: Tensor,
-                   inv_freqs: Tensor, cfg: V4Config, is_indexer: bool, quant_sim: bool) -> Tensor:
-    """Pooled [N, d] -> compressed entries: norm, RoPE at the group's first token, then FP8 (main)
-    or Hadamard + FP4 (indexer)."""
+@on_gpu(rows={"pooled": (0,), "rope": (0,)})
+def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
+                   is_indexer: bool, quant_sim: bool) -> Tensor:
+    """Pooled [N, d] -> compressed entries: norm, RoPE at the group's first token (``rope``),
+    then FP8 (main) or Hadamard + FP4 (indexer)."""
     c = rms_norm(pooled, w[f"{prefix}.norm.weight"], cfg.rms_norm_eps)
-    c = apply_rope(c, first_positions, inv_freqs)
+    c = apply_rope(c, rope)
     if is_indexer:
         c = hadamard(c)
         return fp4_qat(c, 32) if quant_sim else c
@@ -435,13 +452,13 @@ def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, first_posi
 
 # ---- lightning indexer (§4) ----------------------------------------------------------------
 
-@on_gpu(rows={"x": (0,), "qr": (0,), "positions": (0,)})
-def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], positions: Tensor,
-                    inv_freqs: Tensor, cfg: V4Config, quant_sim: bool) -> tuple[Tensor, Tensor]:
+@on_gpu(rows={"x": (0,), "qr": (0,), "rope": (0,)})
+def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
+                    quant_sim: bool) -> tuple[Tensor, Tensor]:
     """-> (qI [T, Hi, Di] rotated, Hadamard'ed, FP4; head weights [T, Hi])."""
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     qi = linear(qr, w["attn.indexer.wq_b.weight"]).view(-1, Hi, Di)
-    qi = hadamard(apply_rope(qi, positions, inv_freqs))
+    qi = hadamard(apply_rope(qi, rope))
     if quant_sim:
         qi = fp4_qat(qi, 32)
     weights = linear(x, w["attn.indexer.weights_proj.weight"]) * (Di**-0.5 * Hi**-0.5)

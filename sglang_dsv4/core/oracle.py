@@ -64,8 +64,9 @@ class OracleModel:
         cfg, qs = self.cfg, self.quant_sim
         T = x.shape[0]
         freqs = ops.layer_inv_freqs(cfg, ratio)
-        q, qr = ops.project_q(x, w, positions, freqs, cfg)
-        kv = ops.project_kv(x, w, positions, freqs, cfg, qs)
+        rope = ops.rope_at(positions, freqs)
+        q, qr = ops.project_q(x, w, rope, cfg)
+        kv = ops.project_kv(x, w, rope, cfg, qs)
         idx = ops.window_indices(positions, cfg.sliding_window, 0)
         keys = kv
         if ratio:
@@ -77,13 +78,13 @@ class OracleModel:
                 comp_idx = torch.where(j[None, :] < visible[:, None], j[None, :], -1)
             else:
                 index_keys = self._compress(x, w, "attn.indexer.compressor", 4, freqs, is_indexer=True)
-                qi, hw = ops.indexer_queries(x, qr, w, positions, freqs, cfg, qs)
+                qi, hw = ops.indexer_queries(x, qr, w, rope, cfg, qs)
                 scores = ops.indexer_scores(qi, hw, index_keys)
                 comp_idx = ops.select_topk(scores, visible, cfg.index_topk)
             idx = torch.cat((idx, torch.where(comp_idx >= 0, comp_idx + T, -1)), dim=1)
             keys = torch.cat((kv, entries), dim=0)
         o = ops.sparse_attention(q, keys, idx, w["attn.attn_sink"], cfg.softmax_scale)
-        return ops.attention_output(o, w, positions, freqs, cfg)
+        return ops.attention_output(o, w, rope, cfg)
 
     def _compress(self, x: Tensor, w: dict[str, Tensor], prefix: str, ratio: int, freqs: Tensor,
                   is_indexer: bool) -> Tensor:
@@ -97,4 +98,4 @@ class OracleModel:
             pad_a, pad_s = a.new_zeros(4, a.shape[1]), s.new_full((4, s.shape[1]), float("-inf"))
             pooled = ops.pool_c4(torch.cat((pad_a, a)), torch.cat((pad_s, s)))
         first = torch.arange(n, device=x.device) * ratio
-        return ops.finish_entries(pooled, w, prefix, first, freqs, self.cfg, is_indexer, self.quant_sim)
+        return ops.finish_entries(pooled, w, prefix, ops.rope_at(first, freqs), self.cfg, is_indexer, self.quant_sim)
