@@ -1,0 +1,61 @@
+"""``core.ops`` on the GPU, compiled as the step runs it: the RoPE tables built once per step give
+the bits of the rotation that computed them inside each fused region, the fused top-k the eager
+one's choice, and the split-K mixes' dots agree with float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv4.core import ops
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@torch.compile
+def _rotate_computing_tables(x: torch.Tensor, positions: torch.Tensor, inv_freqs: torch.Tensor) -> torch.Tensor:
+    """The rotation as a fused region ran it before ``ops.rope_at``: cos and sin inline."""
+    return ops.apply_rope(x, ops.Rope(*_tables(positions, inv_freqs)))
+
+
+def _tables(positions: torch.Tensor, inv_freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = positions.to(torch.float64)[:, None] * inv_freqs[None, :]
+    return torch.cos(angles), torch.sin(angles)
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_rope_tables_give_the_bits_of_the_inlined_rotation(tiny_gpu, tokens):
+    cfg, _ = tiny_gpu
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    pos = torch.randint(0, 1 << 20, (tokens,), generator=g, device=DEV)
+    freqs = ops.layer_inv_freqs(cfg, 4, DEV)
+    x = torch.randn(tokens, cfg.num_attention_heads, cfg.head_dim, generator=g, device=DEV)
+    rope = ops.rope_at(pos, freqs)
+    want = _rotate_computing_tables(x, pos, freqs)
+    assert torch.equal(torch.compile(ops.apply_rope)(x, rope), want)
+    assert torch.equal(torch.compile(ops.apply_rope)(x, rope, inverse=True),
+                       torch.compile(lambda x, p, f: ops.apply_rope(x, ops.Rope(*_tables(p, f)), inverse=True))(x, pos, freqs))
+
+
+@pytest.mark.parametrize("tokens,entries", [(1, 5), (1, 3000), (64, 700), (256, 2048)])
+def test_fused_top_k_chooses_as_the_eager_one(tokens, entries):
+    g = torch.Generator(device=DEV).manual_seed(entries)
+    scores = torch.randint(-4, 5, (tokens, entries), generator=g, device=DEV).float() / 4  # many ties
+    scores[:, ::7] = -0.0
+    visible = torch.randint(0, entries + 1, (tokens,), generator=g, device=DEV)
+    for k in (4, 512):
+        assert torch.equal(ops.select_topk(scores, visible, k), ops.select_topk.eager(scores, visible, k))
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_split_k_mixes_agree_with_float64(tiny_gpu, tokens):
+    cfg, _ = tiny_gpu
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    h = torch.randn(tokens, 4, 4096, generator=g, device=DEV)
+    fn = torch.randn(24, 4 * 4096, generator=g, device=DEV) * 0.01
+    assert ops.mixes_splits(4 * 4096) > 1
+    flat = h.flatten(1).double()
+    want = (flat @ fn.double().t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    got = ops.hc_mixes(h, fn, cfg)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
