@@ -165,33 +165,9 @@ def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config,
     return y, post, comb
 
 
-def _mixes(h: Tensor, fn: Tensor, cfg: V4Config, splits: int | None = None) -> Tensor:
+def _mixes(h: Tensor, fn: Tensor, cfg: V4Config) -> Tensor:
     flat = h.flatten(1)
-    if splits is None:
-        splits = mixes_splits(flat.shape[1]) if h.is_cuda and fn.dtype == flat.dtype else 1
-    dots = linear(flat, fn) if splits == 1 else split_k_dots(flat, fn, splits)
-    return dots * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-
-
-MIXES_CHUNK = 256  # K per split of the mixes' GEMM on the GPU (benchmarks/bench_hc_mixes.py)
-
-
-def mixes_splits(k: int) -> int:
-    """Chunks the GPU cuts the mixes' K (hc * D = 16384 at V4-Flash width) into: with N = 24
-    columns cuBLAS runs the [T, K] x [K, 24] fp32 product as a few programs that each walk all
-    of K (~57-81 us a call at batch 256 on an H200, ~10x the time to read x; sessions 10-13)."""
-    return k // MIXES_CHUNK if k % MIXES_CHUNK == 0 and k >= 2 * MIXES_CHUNK else 1
-
-
-def split_k_dots(x: Tensor, w: Tensor, splits: int) -> Tensor:
-    """x [T, K] @ w [N, K]^T as ``splits`` GEMMs over consecutive K chunks in one strided
-    batched GEMM (views, no copies), their partials summed: fp32 throughout, a different
-    summation order from one GEMM's (the GPU's GEMMs pick theirs by shape anyway)."""
-    T, K = x.shape
-    kc = K // splits
-    xs = x.view(T, splits, kc).transpose(0, 1)      # [S, T, kc], rows K apart
-    ws = w.view(-1, splits, kc).permute(1, 2, 0)    # [S, kc, N], a transposed operand
-    return torch.bmm(xs, ws).sum(0)
+    return linear(flat, fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
 
 
 @on_gpu(rows={"h": (0,)})
