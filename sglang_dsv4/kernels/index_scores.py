@@ -47,20 +47,23 @@ def _triton_ok() -> bool:
     return True
 
 
-def blocks_per_program(tokens: int, blocks: int, sms: int) -> int:
-    """Entry blocks each program scores: enough programs to fill ``PROGRAM_WAVES`` waves, as
-    few query loads as that allows. Depends on shapes only (CUDA graphs)."""
-    want = max(1, math.ceil(tokens * blocks / (PROGRAM_WAVES * sms)))
+def blocks_per_program(tokens: int, blocks: int, sms: int, waves: int = PROGRAM_WAVES) -> int:
+    """Entry blocks each program scores: enough programs to fill ``waves`` waves, as few query
+    loads as that allows. Depends on shapes only (CUDA graphs)."""
+    want = max(1, math.ceil(tokens * blocks / (waves * sms)))
     return min(want, max(blocks, 1))
 
 
 @torch.compiler.disable  # a kernel launch, never traced
 def paged_index_scores(qi: Tensor, head_weights: Tensor, buf: Tensor, layout: IndexFp8Rows,
-                       table: Tensor, tok_req: Tensor) -> Tensor:
+                       table: Tensor, tok_req: Tensor, *, block_n: int = BLOCK_N,
+                       waves: int = PROGRAM_WAVES, num_warps: int = 4, num_stages: int | None = None) -> Tensor:
     """qi [T, Hi, Di] (QAT'ed), head weights [T, Hi], the layer's key page buffer ``buf``
     ([pages, page_bytes] uint8, ``layout``), the entry table [B, N] (storage rows, -1 none),
     each token's request [T] -> scores [T, N] float32 of every entry of the token's request
-    (columns past a request's entries score row 0: the caller masks them)."""
+    (columns past a request's entries score row 0: the caller masks them). The keywords are the
+    launch's tiling (``benchmarks/bench_index_scores.py`` sweeps them); the defaults are what
+    the model runs."""
     from .index_triton import index_scores_kernel
 
     T, Hi, Di = qi.shape
@@ -71,15 +74,15 @@ def paged_index_scores(qi: Tensor, head_weights: Tensor, buf: Tensor, layout: In
     out = torch.empty(T, N, dtype=torch.float32, device=qi.device)
     if T == 0 or N == 0:
         return out
-    blocks = -(-N // BLOCK_N)
-    per = blocks_per_program(T, blocks, _sm_count(qi.device))
+    blocks = -(-N // block_n)
+    per = blocks_per_program(T, blocks, _sm_count(qi.device), waves)
     flat = buf.reshape(-1, layout.page_bytes)  # the same bytes as e4m3 values and as fp32 scales
     index_scores_kernel[(T, -(-blocks // per))](
         qi.float().contiguous(), head_weights.float().contiguous(), flat.view(torch.float8_e4m3fn),
         flat.view(torch.float32), table.contiguous(), tok_req.contiguous(), out,
         N, per, N, layout.page_bytes, layout.page_bytes // 4,
-        HI=Hi, DI=Di, HI_P=_tile(Hi), DI_P=_tile(Di), P=P, BLOCK_N=BLOCK_N,
-        BF16_DOT=qi.is_cuda, num_warps=4)
+        HI=Hi, DI=Di, HI_P=_tile(Hi), DI_P=_tile(Di), P=P, BLOCK_N=block_n,
+        BF16_DOT=qi.is_cuda, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     return out
 
 
