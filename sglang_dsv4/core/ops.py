@@ -489,15 +489,13 @@ def batched_indexer_scores(qi: Tensor, head_weights: Tensor, keys: Tensor, exact
 
 
 @on_gpu(rows={"scores": (0,), "num_visible": (0,)}, widths={"scores": (1,)})
-@on_gpu(rows={"scores": (0,), "num_visible": (0,)}, widths={"scores": (1,)})
 def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
     """Top-min(k, visible) entries per row among j < num_visible[t]; -1 pads. -> [T, k].
 
     Ties break toward the lower entry index (stable sort), so the choice does not depend on how
     many invisible entries a row carries. float32 scores take one top-k over unique integer keys
     (``_stable_topk``: the same entries in the same order, a few kernels on a GPU where the
-    stable sort of the whole row is a dozen); other dtypes the sort itself. One fused region on
-    the GPU: the masking and key packing around the top-k were ~30 launches a call (census).
+    stable sort of the whole row is a dozen); other dtypes the sort itself.
     """
     n = scores.shape[1]
     j = torch.arange(n, device=scores.device)
