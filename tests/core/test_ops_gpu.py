@@ -1,6 +1,5 @@
 """``core.ops`` on the GPU, compiled as the step runs it: the RoPE tables built once per step give
-the bits of the rotation that computed them inside each fused region, and the fused top-k the
-eager one's choice."""
+the bits of the rotation that computed them inside each fused region."""
 
 from __future__ import annotations
 
@@ -36,13 +35,3 @@ def test_rope_tables_give_the_bits_of_the_inlined_rotation(tiny_gpu, tokens):
     assert torch.equal(torch.compile(ops.apply_rope)(x, rope), want)
     assert torch.equal(torch.compile(ops.apply_rope)(x, rope, inverse=True),
                        torch.compile(lambda x, p, f: ops.apply_rope(x, ops.Rope(*_tables(p, f)), inverse=True))(x, pos, freqs))
-
-
-@pytest.mark.parametrize("tokens,entries", [(1, 5), (1, 3000), (64, 700), (256, 2048)])
-def test_fused_top_k_chooses_as_the_eager_one(tokens, entries):
-    g = torch.Generator(device=DEV).manual_seed(entries)
-    scores = torch.randint(-4, 5, (tokens, entries), generator=g, device=DEV).float() / 4  # many ties
-    scores[:, ::7] = -0.0
-    visible = torch.randint(0, entries + 1, (tokens,), generator=g, device=DEV)
-    for k in (4, 512):
-        assert torch.equal(ops.select_topk(scores, visible, k), ops.select_topk.eager(scores, visible, k))

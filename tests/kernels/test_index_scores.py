@@ -71,7 +71,8 @@ def test_the_model_scores_through_the_kernel_and_matches_the_oracle(triton_inter
 
 
 def test_blocks_per_program_fills_the_machine_from_shapes_alone():
-    assert blocks_per_program(1, 64, 132) == 1          # batch 1: one block per program
-    assert blocks_per_program(256, 64, 132) == 32       # batch 256, 4096 entries: 512 programs
+    assert blocks_per_program(1, 32, 132) == 1          # batch 1: one block per program
+    assert blocks_per_program(256, 32, 132) == 8        # batch 256, 4096 entries: 1024 programs
+    assert blocks_per_program(256, 64, 132, waves=4) == 32
     assert blocks_per_program(4, 2, 132) == 1
     assert blocks_per_program(10**6, 3, 132) == 3       # never more than the row has
