@@ -28,6 +28,7 @@
 # PROFILE_ARGS='--cases flash8:1:16384 --weights fp8 --census 40': launches per call site).
 # TESTS_COMPILED: GPU tests run a second time with compilation on (the fused regions' own tests);
 # PREV_ARGS: bench_decode's arguments for .bench-prev when they differ from BENCH_ARGS.
+# HARNESSES: other benchmark modules with their arguments, ';'-separated, run after the tests.
 # INDEX_SWEEP_ARGS: benchmarks/bench_index_scores.py's arguments (e.g. '--batches 64,256'), run after the tests.
 # FP8_SWEEP_ARGS: benchmarks/bench_fp8_gemm.py's arguments (the fp8 GEMM's tile configurations), run
 # after the tests (e.g. FP8_SWEEP_ARGS='--experts 32,8 --dense-tokens 256').
@@ -88,6 +89,13 @@ fi
 if [ -n "${FP8_SWEEP_ARGS:-}" ]; then  # the fp8 GEMM's tile configurations (benchmarks/bench_fp8_gemm.py)
   echo "--- bench_fp8_gemm $FP8_SWEEP_ARGS"
   timeout ${FP8_SWEEP_TIMEOUT:-200} python3 -m benchmarks.bench_fp8_gemm $FP8_SWEEP_ARGS 2>&1 | tee "$OUT/fp8_sweep.log" | grep "^|\|copy\|Error"
+fi
+if [ -n "${HARNESSES:-}" ]; then  # other harnesses, ';'-separated 'module args' (e.g. 'benchmarks.bench_topk --batches 1,256')
+  IFS=';' read -ra harness <<< "$HARNESSES"
+  for h in "${harness[@]}"; do
+    echo "--- $h"
+    timeout ${HARNESS_TIMEOUT:-150} python3 -m $h 2>&1 | tee -a "$OUT/harnesses.log" | grep "^|\|copy\|Error"
+  done
 fi
 if [ -n "${INDEX_SWEEP_ARGS:-}" ]; then  # the indexer-score kernel's tilings (benchmarks/bench_index_scores.py)
   echo "--- bench_index_scores $INDEX_SWEEP_ARGS"

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
 from ..kernels import hc_split
+from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
@@ -497,6 +498,13 @@ def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
     (``_stable_topk``: the same entries in the same order, a few kernels on a GPU where the
     stable sort of the whole row is a dozen); other dtypes the sort itself.
     """
+    if topk_kernel.supported(scores):  # the GPU: one launch (kernels/topk.py), the same columns
+        return topk_kernel.select_topk_rows(scores, num_visible, k)
+    return select_topk_torch(scores, num_visible, k)
+
+
+def select_topk_torch(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
+    """``select_topk`` in torch ops (the CPU; the reference of ``kernels.topk``)."""
     n = scores.shape[1]
     j = torch.arange(n, device=scores.device)
     visible = j[None, :] < num_visible[:, None]

@@ -1,0 +1,65 @@
+"""The indexer's top-k at decode shapes, on the GPU: ``torch.topk`` over unique keys against the
+one-launch kernel (``kernels.topk``) at each chunk size and warp count.
+
+    python -m benchmarks.bench_topk [--batches 1,64,256] [--entries 4096,16384] [--k 512]
+        [--chunks 1024,2048,4096,8192] [--warps 4,8,16] [--reps 20]
+
+Prints per (batch, entries) the torch path's time (``ops.select_topk_torch``, what the step ran
+before the kernel), the kernel's shipped choice and its five fastest other settings, and whether
+each gives the torch path's columns (it must: the same keys). Calls are captured in a CUDA graph
+and replayed (a step's launches cost what they cost there). A harness: it decides
+``kernels.topk``'s defaults; the package never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from benchmarks.bench_fp8_gemm import time_us
+from sglang_dsv4.core import ops
+from sglang_dsv4.kernels import topk
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--entries", default="4096,16384")
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--chunks", default="1024,2048,4096,8192")
+    ap.add_argument("--warps", default="4,8,16")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| batch | entries | path | us / call | vs torch | same columns |")
+    print("|---|---|---|---|---|---|")
+    for B, N in itertools.product(ints(args.batches), ints(args.entries)):
+        scores = torch.randn(B, N, generator=g, device="cuda").relu()
+        visible = torch.full((B,), N, device="cuda")
+        want = ops.select_topk_torch(scores, visible, args.k)
+        base = time_us(lambda: ops.select_topk_torch(scores, visible, args.k), args.reps)
+        rows = []
+        for chunk, warps in itertools.product([None] + ints(args.chunks), [None] + ints(args.warps)):
+            if chunk is not None and chunk < args.k:
+                continue
+            run = lambda c=chunk, w=warps: topk.select_topk_rows(scores, visible, args.k, c, w)  # noqa: E731
+            try:
+                us = time_us(run, args.reps)
+                same = torch.equal(run(), want)
+            except Exception as e:  # a setting that does not compile (registers, shared memory)
+                print(f"<!-- chunk {chunk} warps {warps}: {type(e).__name__} -->")
+                continue
+            rows.append((us, chunk, warps, same))
+        shipped = [r for r in rows if r[1] is None and r[2] is None]
+        others = sorted((r for r in rows if not (r[1] is None and r[2] is None)), key=lambda r: r[0])[:5]
+        print(f"| {B} | {N} | torch.topk over keys | {base:.1f} | 1.00x | yes |")
+        for us, chunk, warps, same in shipped + others:
+            name = "kernel, shipped" if chunk is None and warps is None else f"kernel, chunk {chunk or 'default'}, {warps or 'default'} warps"
+            print(f"| {B} | {N} | {name} | {us:.1f} | {base / us:.2f}x | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

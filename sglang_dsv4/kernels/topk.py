@@ -1,0 +1,67 @@
+"""The indexer's top-k on the GPU as one Triton kernel: a program per token row.
+
+``ops.select_topk`` takes one ``torch.topk`` over unique int64 keys (the score's order-preserving
+bits, then n - 1 - column: the stable sort's choice and order). On the GPU that top-k is a radix
+select of several passes and launches: ~53 us a call for one row of 4096 entries at batch 1 (4
+launches), 108 launches and 0.37 ms a step at batch 256 over 3 C4 layers (flash8 censuses,
+sessions 11 and 14). Here each row's keys are formed in registers and reduced chunk by chunk
+with Triton's bitonic ``tl.topk``, the best k kept sorted: one launch, the same keys, so the same
+columns in the same order (tested against ``ops.select_topk``'s torch path under the
+interpreter, and on the GPU). Shapes only decide the launch (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .fp8_linear import INTERPRET
+
+Tensor = torch.Tensor
+
+MIN_CHUNK = 1024  # entries a program reduces at once (at least k, rounded up to a power of two)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ok() -> bool:
+    try:
+        from . import topk_triton  # noqa: F401
+    except Exception:  # ImportError, or triton failing to initialise
+        return False
+    return True
+
+
+def supported(scores: Tensor) -> bool:
+    """Whether ``select_topk_rows`` runs for these scores (float32 CUDA tensors, or the interpreter)."""
+    return (scores.is_cuda or INTERPRET) and scores.dtype == torch.float32 and scores.dim() == 2 and _triton_ok()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@torch.compiler.disable  # a kernel launch, never traced
+def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | None = None,
+                     num_warps: int | None = None) -> Tensor:
+    """``ops.select_topk(scores, num_visible, k)``: per row the columns of its top-min(k, visible)
+    scores among j < num_visible (ties: lower column first), in order, -1 padded -> [T, k] int64.
+    ``chunk``: entries a program reduces at once (a power of two >= k; default: ``MIN_CHUNK``
+    or k's power of two); ``num_warps``: the program's warps (``benchmarks/bench_topk.py``
+    sweeps both)."""
+    from .topk_triton import topk_rows_kernel
+
+    T, N = scores.shape
+    out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
+    if T == 0 or k == 0:
+        return out
+    kp = _pow2(k)
+    chunk = max(kp, MIN_CHUNK if chunk is None else chunk)
+    if chunk & (chunk - 1):
+        raise ValueError(f"select_topk_rows: chunk {chunk} is not a power of two")
+    topk_rows_kernel[(T,)](scores.contiguous(), num_visible.contiguous(), out, N, N, k, k,
+                           K_P=kp, CHUNK=chunk, num_warps=num_warps or (8 if chunk >= 2048 else 4))
+    return out
+
+
+__all__ = ["select_topk_rows", "supported"]

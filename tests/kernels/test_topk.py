@@ -1,0 +1,27 @@
+"""``kernels.topk``: the indexer's top-k kernel chooses ``ops.select_topk_torch``'s columns in its
+order (interpreted on the CPU: ties, -0, invisible columns, rows shorter than k, several chunks)."""
+
+from __future__ import annotations
+
+_CASES = """
+import torch
+from sglang_dsv4.core import ops
+from sglang_dsv4.kernels import topk
+g = torch.Generator().manual_seed(0)
+worst = 0
+for T, N, k, chunk in [(3, 5, 4, None), (2, 300, 8, 16), (4, 700, 16, 64), (2, 2000, 64, 128), (1, 1, 4, None),
+                       (3, 40, 64, None), (2, 100, 6, 8)]:
+    s = torch.randint(-4, 5, (T, N), generator=g).float() / 4   # many ties
+    s[:, ::7] = -0.0
+    v = torch.randint(0, N + 1, (T,), generator=g)
+    v[0] = N
+    got = topk.select_topk_rows(s, v, k, chunk)
+    assert got.shape == (T, k) and got.dtype == torch.int64
+    worst += int(not torch.equal(got, ops.select_topk_torch(s, v, k)))
+assert topk.supported(s) and torch.equal(ops.select_topk(s, v, k), ops.select_topk_torch(s, v, k))
+print("WORST", worst)
+"""
+
+
+def test_the_kernel_chooses_the_torch_paths_columns_in_order(triton_interpreted):
+    assert triton_interpreted(_CASES) == 0
