@@ -1,5 +1,5 @@
 """The indexer's top-k at decode shapes, on the GPU: ``torch.topk`` over unique keys against the
-one-launch kernel (``kernels.topk``) at each chunk size and warp count.
+one-launch kernel (``kernels.topk``), both its methods, at each chunk size and warp count.
 
     python -m benchmarks.bench_topk [--batches 1,64,256] [--entries 4096,16384] [--k 512]
         [--chunks 1024,2048,4096,8192] [--warps 4,8,16] [--reps 20]
@@ -23,6 +23,10 @@ from sglang_dsv4.core import ops
 from sglang_dsv4.kernels import topk
 
 
+def _is_shipped(method: str, chunk: int | None, warps: int | None) -> bool:
+    return method == "bitonic" and chunk is None and warps is None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,64,256")
@@ -42,22 +46,24 @@ def main() -> None:
         want = ops.select_topk_torch(scores, visible, args.k)
         base = time_us(lambda: ops.select_topk_torch(scores, visible, args.k), args.reps)
         rows = []
-        for chunk, warps in itertools.product([None] + ints(args.chunks), [None] + ints(args.warps)):
+        for method, chunk, warps in itertools.product(("bitonic", "radix"), [None] + ints(args.chunks),
+                                                      [None] + ints(args.warps)):
             if chunk is not None and chunk < args.k:
                 continue
-            run = lambda c=chunk, w=warps: topk.select_topk_rows(scores, visible, args.k, c, w)  # noqa: E731
+            run = lambda c=chunk, w=warps, m=method: topk.select_topk_rows(scores, visible, args.k, c, w, m)  # noqa: E731
             try:
                 us = time_us(run, args.reps)
                 same = torch.equal(run(), want)
             except Exception as e:  # a setting that does not compile (registers, shared memory)
-                print(f"<!-- chunk {chunk} warps {warps}: {type(e).__name__} -->")
+                print(f"<!-- {method} chunk {chunk} warps {warps}: {type(e).__name__} -->")
                 continue
-            rows.append((us, chunk, warps, same))
-        shipped = [r for r in rows if r[1] is None and r[2] is None]
-        others = sorted((r for r in rows if not (r[1] is None and r[2] is None)), key=lambda r: r[0])[:5]
+            rows.append((us, method, chunk, warps, same))
+        shipped = [r for r in rows if r[1] == "bitonic" and r[2] is None and r[3] is None]
+        others = sorted((r for r in rows if r not in shipped), key=lambda r: r[0])[:6]
         print(f"| {B} | {N} | torch.topk over keys | {base:.1f} | 1.00x | yes |")
-        for us, chunk, warps, same in shipped + others:
-            name = "kernel, shipped" if chunk is None and warps is None else f"kernel, chunk {chunk or 'default'}, {warps or 'default'} warps"
+        for us, method, chunk, warps, same in shipped + others:
+            name = ("kernel, shipped" if _is_shipped(method, chunk, warps)
+                    else f"kernel {method}, chunk {chunk or 'default'}, {warps or 'default'} warps")
             print(f"| {B} | {N} | {name} | {us:.1f} | {base / us:.2f}x | {'yes' if same else 'NO'} |")
 
 

@@ -43,13 +43,14 @@ def _pow2(n: int) -> int:
 
 @torch.compiler.disable  # a kernel launch, never traced
 def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | None = None,
-                     num_warps: int | None = None) -> Tensor:
+                     num_warps: int | None = None, method: str = "bitonic") -> Tensor:
     """``ops.select_topk(scores, num_visible, k)``: per row the columns of its top-min(k, visible)
     scores among j < num_visible (ties: lower column first), in order, -1 padded -> [T, k] int64.
     ``chunk``: entries a program reduces at once (a power of two >= k; default: ``MIN_CHUNK``
-    or k's power of two); ``num_warps``: the program's warps (``benchmarks/bench_topk.py``
-    sweeps both)."""
-    from .topk_triton import topk_rows_kernel
+    or k's power of two); ``num_warps``: the program's warps; ``method``: "bitonic" (the best k
+    kept by ``tl.topk`` chunk by chunk) or "radix" (four histogram passes find the k-th key, one
+    pass gathers the chosen, one sort orders them). ``benchmarks/bench_topk.py`` sweeps all three."""
+    from .topk_triton import topk_radix_kernel, topk_rows_kernel
 
     T, N = scores.shape
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
@@ -59,8 +60,16 @@ def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | N
     chunk = max(kp, MIN_CHUNK if chunk is None else chunk)
     if chunk & (chunk - 1):
         raise ValueError(f"select_topk_rows: chunk {chunk} is not a power of two")
-    topk_rows_kernel[(T,)](scores.contiguous(), num_visible.contiguous(), out, N, N, k, k,
-                           K_P=kp, CHUNK=chunk, num_warps=num_warps or (8 if chunk >= 2048 else 4))
+    warps = num_warps or (8 if chunk >= 2048 else 4)
+    if method == "radix":
+        work = torch.empty(T, kp, dtype=torch.int64, device=scores.device)
+        topk_radix_kernel[(T,)](scores.contiguous(), num_visible.contiguous(), out, work, N, N, k, k,
+                                K_P=kp, CHUNK=chunk, num_warps=warps)
+    elif method == "bitonic":
+        topk_rows_kernel[(T,)](scores.contiguous(), num_visible.contiguous(), out, N, N, k, k,
+                               K_P=kp, CHUNK=chunk, num_warps=warps)
+    else:
+        raise ValueError(f"select_topk_rows: no method {method!r}")
     return out
 
 

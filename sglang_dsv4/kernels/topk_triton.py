@@ -32,3 +32,65 @@ def topk_rows_kernel(Scores, Visible, Out, N, stride_s, stride_o, K, K_P: tl.con
     col = (N - 1) - (best & 0x7FFFFFFF)  # the low half: N - 1 - column < 2**31
     col = tl.where((i < vis) & (i < N), col, -1)
     tl.store(Out + t * stride_o + i, col, mask=i < K)
+
+
+@triton.jit
+def _row_keys(Scores, t, stride_s, vis, N, j):
+    """Row t's keys at columns j: (the score's orderable bits as int64 in [0, 2**32), the packed
+    int64 key of ``ops._stable_topk``, whether j is a column)."""
+    inside = j < N
+    x = tl.load(Scores + t * stride_s + j, mask=inside, other=0.0)
+    x = tl.where(j < vis, x, float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    u = key.to(tl.int64) + 2147483648
+    return u, (key.to(tl.int64) << 32) + (N - 1 - j), inside
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def topk_radix_kernel(Scores, Visible, Out, Work, N, stride_s, stride_o, K, K_P: tl.constexpr, CHUNK: tl.constexpr):
+    """``topk_rows_kernel``'s result by a radix select: four histogram passes over the row find
+    the K'-th largest score's bits (K' = min(K, N)) and how many of its ties to take (the lowest
+    columns: the keys' order), one pass writes the K' chosen keys to row t of ``Work`` [T, K_P],
+    and a sort of those K_P orders them."""
+    t = tl.program_id(axis=0).to(tl.int64)
+    vis = tl.load(Visible + t).to(tl.int64)
+    lowest = -9223372036854775807 - 1
+    kk = tl.minimum(K, N)
+    remaining = kk
+    prefix = (t * 0).to(tl.int64)  # the score bits chosen so far, digit by digit
+    d = tl.arange(0, 256)
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, N, CHUNK):
+            j = start + tl.arange(0, CHUNK).to(tl.int64)
+            u, packed, inside = _row_keys(Scores, t, stride_s, vis, N, j)
+            match = inside & ((u >> (shift + 8)) == prefix)
+            hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # rows with this digit or above
+        digit = tl.sum((at_least >= remaining).to(tl.int32), 0) - 1
+        remaining -= tl.sum(tl.where(d == digit, at_least - hist, 0), 0)
+        prefix = (prefix << 8) + digit
+    # the chosen: bits above the threshold, and the first `remaining` columns at it
+    i = tl.arange(0, K_P)
+    tl.store(Work + t * K_P + i, tl.full([K_P], lowest, tl.int64))
+    tl.debug_barrier()
+    taken = (t * 0).to(tl.int64)
+    ties = (t * 0).to(tl.int64)
+    for start in range(0, N, CHUNK):
+        j = start + tl.arange(0, CHUNK).to(tl.int64)
+        u, packed, inside = _row_keys(Scores, t, stride_s, vis, N, j)
+        tie = inside & (u == prefix)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int64), 0) - tie.to(tl.int64)
+        sel = inside & ((u > prefix) | (tie & (tie_rank < remaining)))
+        pos = taken + tl.cumsum(sel.to(tl.int64), 0) - sel.to(tl.int64)
+        tl.store(Work + t * K_P + pos, packed, mask=sel)
+        taken += tl.sum(sel.to(tl.int64), 0)
+        ties += tl.sum(tie.to(tl.int64), 0)
+    tl.debug_barrier()
+    best = tl.sort(tl.load(Work + t * K_P + i), descending=True)
+    col = (N - 1) - (best & 0x7FFFFFFF)
+    col = tl.where((i < vis) & (i < N) & (i < kk), col, -1)
+    tl.store(Out + t * stride_o + i, col, mask=i < K)

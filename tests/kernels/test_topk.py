@@ -1,5 +1,6 @@
 """``kernels.topk``: the indexer's top-k kernel chooses ``ops.select_topk_torch``'s columns in its
-order (interpreted on the CPU: ties, -0, invisible columns, rows shorter than k, several chunks)."""
+order, by either method (interpreted on the CPU: ties, -0, invisible columns, rows shorter
+than k, several chunks)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ for T, N, k, chunk in [(3, 5, 4, None), (2, 300, 8, 16), (4, 700, 16, 64), (2, 2
     s[:, ::7] = -0.0
     v = torch.randint(0, N + 1, (T,), generator=g)
     v[0] = N
-    got = topk.select_topk_rows(s, v, k, chunk)
-    assert got.shape == (T, k) and got.dtype == torch.int64
-    worst += int(not torch.equal(got, ops.select_topk_torch(s, v, k)))
+    for scores in (s, torch.randn(T, N, generator=g)):  # ties everywhere; none
+        want = ops.select_topk_torch(scores, v, k)
+        for method in ("bitonic", "radix"):
+            got = topk.select_topk_rows(scores, v, k, chunk, method=method)
+            assert got.shape == (T, k) and got.dtype == torch.int64
+            worst += int(not torch.equal(got, want))
 assert topk.supported(s) and torch.equal(ops.select_topk(s, v, k), ops.select_topk_torch(s, v, k))
 print("WORST", worst)
 """

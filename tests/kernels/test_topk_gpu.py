@@ -22,17 +22,20 @@ def test_the_kernel_chooses_the_torch_paths_columns(tokens, entries):
     visible[0] = entries
     assert topk.supported(scores)
     for k in (512, 6):
-        assert torch.equal(topk.select_topk_rows(scores, visible, k), ops.select_topk_torch(scores, visible, k))
+        want = ops.select_topk_torch(scores, visible, k)
+        for method in ("bitonic", "radix"):
+            assert torch.equal(topk.select_topk_rows(scores, visible, k, method=method), want), method
 
 
-def test_the_kernel_replays_from_a_graph():
+@pytest.mark.parametrize("method", ["bitonic", "radix"])
+def test_the_kernel_replays_from_a_graph(method):
     g = torch.Generator(device=DEV).manual_seed(0)
     scores = torch.randn(64, 4096, generator=g, device=DEV)
     visible = torch.full((64,), 4096, device=DEV)
-    out = topk.select_topk_rows(scores, visible, 512)
+    out = topk.select_topk_rows(scores, visible, 512, method=method)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = topk.select_topk_rows(scores, visible, 512)
+        out = topk.select_topk_rows(scores, visible, 512, method=method)
     scores.copy_(torch.randn(64, 4096, generator=g, device=DEV))
     graph.replay()
     assert torch.equal(out, ops.select_topk_torch(scores, visible, 512))
