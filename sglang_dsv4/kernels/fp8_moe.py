@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
+from . import moe_layout
 from .expert_rows import expert_rows
 from .fp8_linear import Fp8Weight, add_splits, fp8_gemm, quantize_act
 
@@ -99,13 +100,15 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the local experts
     ``first_expert .. first_expert + E - 1`` -> [T, D] in x's dtype.
 
-    Between the two GEMM launches the work is three fused regions on the GPU (``core.compiled``):
-    the row layout with each row's token and gate, V4's activation with its quantisation, and the
-    slot sum (about 70 small kernels per layer as separate torch ops)."""
+    Between the two GEMM launches the work is one kernel and two fused regions on the GPU: the
+    row layout with each row's token and gate (``moe_layout``; a fused region past its pair
+    count), V4's activation with its quantisation, and the slot sum (``core.compiled``; about 70
+    small kernels per layer as separate torch ops)."""
     T, k = chosen.shape
     E, P = experts.num_experts, chosen.numel()
     A, M = grouped_rows(P, E)
-    token_of_row, block_expert, dest_of_pair, gate_of_row = _row_layout(chosen, gates, first_expert, E, A, M)
+    layout = moe_layout.row_layout if moe_layout.supported(chosen) else _row_layout  # one launch on the GPU
+    token_of_row, block_expert, dest_of_pair, gate_of_row = layout(chosen, gates, first_expert, E, A, M)
     xq, xs = quantize_act(x)
     # each GEMM's split-K partials (if K is split) are added by the region after it
     h = fp8_gemm(xq, xs, experts.w13, torch.float32, rows=token_of_row, block_expert=block_expert, block_m=A,
