@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
     regions = FusedRegions()
-    for module in (ops, model_mod, kv_layout, sparse_mla):  # the modules with on_gpu functions
+    for module in (ops, model_mod, kv_layout, sparse_mla, state_mod):  # the modules with on_gpu functions
         regions.wrap_all(module)
     gpu_code_path()
     B, ctx = args.batch, args.context

@@ -34,6 +34,7 @@ import torch
 
 from ..config import V4Config
 from ..core.cache import RequestState
+from ..core.compiled import on_gpu
 from ..core.pages import EntryRowPool
 from ..core.slot_state import SlotStateLayout
 from ..core.step import RATIOS, StepBatch, StepTables, TablePlan, completing_tokens, entry_width
@@ -85,6 +86,31 @@ class SlotSnapshot:
 class _Row:
     state: RequestState
     generation: int
+
+
+@on_gpu(rows={"pos": (0,), "tok_slot": (0,), "tok_req_slot": (0,), "slots": (0,), "write": (0,)})
+def file_entries(pos: Tensor, tok_slot: Tensor, tok_req_slot: Tensor, slots: Tensor, write: Tensor,
+                 entry_of_slot: Tensor, req_entries: Tensor, ratio: int, width: int, want_old: bool
+                 ) -> tuple[Tensor, Tensor | None]:
+    """One ratio's table updates of a step, in place: token t at position p that completes a group
+    files its entry row ``write[t]`` under its token slot (``entry_of_slot`` [slots + 1], the last
+    element scratch) and as entry (p + 1) // ratio - 1 of its request row ``tok_req_slot[t]``
+    (``req_entries`` [rows + 1, max entries], the last row scratch); the other tokens write the
+    scratch elements. -> (the request rows ``slots``' first ``width`` entries, int64; the entries
+    the slots held before, -1 where none is replaced, when ``want_old``).
+
+    One fused region on the GPU (``core.compiled``): as separate ops it was ~17 launches per
+    ratio and step, all on a few integers per token."""
+    w32 = write.to(torch.int32)
+    done = completing_tokens(pos, ratio)
+    slot_idx = torch.where(done, tok_slot.long(), entry_of_slot.shape[0] - 1)
+    old = torch.where(done, entry_of_slot[slot_idx], -1) if want_old else None
+    entry_of_slot[slot_idx] = w32
+    # 2-D indices into the table itself: a scatter through a view of it would be functionalised
+    # into a copy of the whole table when traced
+    row = torch.where(done, tok_req_slot, req_entries.shape[0] - 1)
+    req_entries[row, torch.where(done, (pos + 1) // ratio - 1, 0)] = w32
+    return req_entries[slots, :width].long(), old
 
 
 class SglangV4Cache:
@@ -248,21 +274,13 @@ class SglangV4Cache:
         pos, b = step.positions, step.tok_req
         req_rows = step.slots[b].clamp(max=self.num_req_rows - 1)  # padding: scratch slot, completes nothing
         tok_slot = self.req_to_token[req_rows.to(self.req_to_token.device),
-                                     pos.to(self.req_to_token.device)].to(self.device).long()
+                                     pos.to(self.req_to_token.device)].to(self.device)
         table = {}
         for r, w in write.items():
-            w32 = w.to(torch.int32)
-            done = completing_tokens(pos, r)
-            slot_idx = torch.where(done, tok_slot, self.num_token_slots)
-            if not step.is_decode:  # a slot written again drops its old entry (freed later)
-                old = self.entry_of_slot[r][slot_idx]
-                self._orphans.append((r, torch.where(done, old, -1)))
-            self.entry_of_slot[r][slot_idx] = w32
-            entries_r = self.req_entries[r]
-            flat = torch.where(done, step.slots[b] * entries_r.shape[1] + (pos + 1) // r - 1,
-                               self.num_req_rows * entries_r.shape[1])
-            entries_r.view(-1)[flat] = w32
-            table[r] = entries_r[step.slots, :widths[r]].long()
+            table[r], old = file_entries(pos, tok_slot, step.slots[b], step.slots, w, self.entry_of_slot[r],
+                                         self.req_entries[r], r, widths[r], not step.is_decode)
+            if old is not None:  # a slot written again drops its old entry (freed later)
+                self._orphans.append((r, old))
         return StepTables(write, table)
 
     # ---- snapshots -----------------------------------------------------------------------

@@ -107,3 +107,37 @@ def test_plan_tables_takes_each_requests_completed_groups(micro):
         assert len(set(w[done].tolist())) == want and pool.in_use(w[done]).all()
         need = max(s + n for s, n in zip(starts, lens)) // r
         assert plan.widths[r] >= need and plan.widths[r] == entry_width(need, MAX_LEN // r, torch.device("cuda"))
+
+
+def _filing_case(device: str = "cpu"):
+    """A step of 6 tokens over 3 request rows (the last the padding row, at the scratch slot)."""
+    g = torch.Generator().manual_seed(3)
+    pos = torch.tensor([3, 7, 8, 127, 0, 11])
+    tok_slot = torch.randint(0, 50, (6,), generator=g, dtype=torch.int32)
+    tok_req_slot = torch.tensor([0, 0, 1, 1, 2, 2])
+    slots = torch.tensor([0, 1, 2])
+    write = torch.randint(0, 90, (6,), generator=g)
+    entry_of_slot = torch.randint(-1, 40, (51,), generator=g, dtype=torch.int32)
+    req_entries = torch.randint(-1, 40, (4, 40), generator=g, dtype=torch.int32)
+    return [t.to(device) for t in (pos, tok_slot, tok_req_slot, slots, write, entry_of_slot, req_entries)]
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_file_entries_traced_updates_the_tables_as_eager(ratio):
+    """The fused region (traced through AOTAutograd's functionalisation, as Inductor takes it on
+    the GPU) writes the same tables in place and returns the same rows and old entries."""
+    from sglang_dsv4.srt.state import file_entries
+
+    torch._dynamo.reset()
+    traced = torch.compile(file_entries.eager, backend="aot_eager", fullgraph=True)
+    for want_old in (False, True):
+        a, b = _filing_case(), _filing_case()
+        got = traced(*a[:5], a[5], a[6], ratio, 32, want_old)
+        want = file_entries.eager(*b[:5], b[5], b[6], ratio, 32, want_old)
+        assert torch.equal(a[5], b[5]) and torch.equal(a[6], b[6])  # the tables, in place
+        assert torch.equal(got[0], want[0])
+        assert (got[1] is None) == (want[1] is None) and (want[1] is None or torch.equal(got[1], want[1]))
+    # the completing tokens' entries are filed (ratio 4: positions 3, 7, 11; 128: 127)
+    done = (a[0] + 1) % ratio == 0
+    assert torch.equal(a[5][a[1][done].long()], a[4][done].int())
+    assert torch.equal(a[6][a[2][done], (a[0][done] + 1) // ratio - 1], a[4][done].int())

@@ -125,3 +125,19 @@ def test_chunking_changes_gpu_results_only_by_rounding(tiny):
            bitwise_equal={k: bool(torch.equal(v, one)) for k, v in outs.items()})
     assert torch.equal(outs["[40, 41]"], one), "prefill chunkings disagree"
     assert all(d < 0.1 for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_file_entries_fused_region_updates_the_tables_as_eager(ratio):
+    """``srt.state.file_entries`` compiled by Inductor (the serving step's region) scatters into the
+    tables in place as the eager ops do, and returns the same rows and old entries."""
+    from sglang_dsv4.srt.state import file_entries
+    from test_state import _filing_case
+
+    for want_old in (False, True):
+        a, b = _filing_case("cuda"), _filing_case("cuda")
+        got = file_entries(*a[:5], a[5], a[6], ratio, 32, want_old)  # on_gpu: the compiled region
+        want = file_entries.eager(*b[:5], b[5], b[6], ratio, 32, want_old)
+        assert torch.equal(a[5], b[5]) and torch.equal(a[6], b[6])
+        assert torch.equal(got[0], want[0])
+        assert (got[1] is None) == (want[1] is None) and (want[1] is None or torch.equal(got[1], want[1]))
