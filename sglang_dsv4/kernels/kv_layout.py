@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..core.compiled import on_gpu
 from ..quant import FP8_MAX, pow2_exponent, pow2_scale
+from . import kv_store
 
 Tensor = torch.Tensor
 
@@ -212,6 +213,13 @@ class V4Fp8Rows(RowLayout):
 
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
         page, off = self.locate(rows)
+        if kv_store.supported(buf):  # the GPU: the quantiser's outputs stored by one launch
+            q, rope, scales = _v4_fp8_quantise(x, self.nope, self.rope_dtype, self.scale_bytes)
+            kv_store.store_row_bytes(buf, page, off, [
+                (q.view(torch.uint8), 0, self.data_bytes),
+                (rope.contiguous().view(torch.uint8), self.nope, self.data_bytes),
+                (scales, self.page_size * self.data_bytes, self.scale_bytes)])
+            return
         data, scales = self.pack(x)
         self._data(buf)[page, off] = data       # views of buf: the writes land in buf
         self._scales(buf)[page, off] = scales
@@ -276,6 +284,9 @@ class IndexFp8Rows(RowLayout):
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
         page, off = self.locate(rows)
         data, scales = self.pack(x)
+        if kv_store.supported(buf):  # the GPU: one launch
+            kv_store.store_row_bytes(buf, page, off, [(data, 0, self.dim), (scales, self.page_size * self.dim, 4)])
+            return
         self._data(buf)[page, off] = data
         self._scales(buf)[page, off] = scales
 

@@ -50,3 +50,22 @@ def test_a_v4_row_written_and_read_on_the_gpu_is_fp8_qat():
     back = v4.read(buf, rows)
     assert torch.equal(back[:, :v4.nope], fp8_qat(x[:, :v4.nope]))
     assert torch.equal(back[:, v4.nope:], x[:, v4.nope:].to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_the_row_store_leaves_the_torch_stores_bytes(n):
+    """``kv_store``'s one-launch store (the GPU's ``write``) against the torch store of the same
+    packed rows, in a pool's pages and in a ring's strided slice of [slots, layers, page]."""
+    for layout, dim in ((kv_layout.V4Fp8Rows(64), 512), (kv_layout.IndexFp8Rows(64), 128)):
+        x = _rows(max(n, 3), dim)[:n]
+        for ring in (False, True):
+            whole = torch.randint(0, 256, (8, 3, layout.page_bytes), device=DEV, dtype=torch.uint8)
+            ref_whole = whole.clone()
+            buf, ref = (whole[:, 1], ref_whole[:, 1]) if ring else (whole[:, 0].contiguous(), ref_whole[:, 0].contiguous())
+            rows = torch.randperm(8 * layout.page_size, device=DEV)[:n]
+            layout.write(buf, rows, x)
+            page, off = layout.locate(rows)
+            data, scales = layout.pack(x)
+            layout._data(ref)[page, off] = data
+            layout._scales(ref)[page, off] = scales
+            assert torch.equal(buf, ref) and torch.equal(whole, ref_whole)
