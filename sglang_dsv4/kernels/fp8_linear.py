@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,10 +30,9 @@ import torch.nn.functional as F
 
 from ..core.compiled import on_gpu
 from ..quant import FP8_MAX, FP8_WEIGHT_BLOCK, dequantize_fp8_blockwise, pow2_scale
+from .triton_support import INTERPRET  # a module attribute here: tests switch it off
 
 Tensor = torch.Tensor
-# TRITON_INTERPRET=1 (read by triton at import): the kernels run on CPU tensors too (tests)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ACT_GROUP = 128          # activation quantisation group along K (= the weight block)
 ACT_AMAX_FLOOR = 1e-4    # [REF] act_quant's amax clamp
 

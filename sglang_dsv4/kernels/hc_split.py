@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Callable
 
 import torch
 
 from ..config import V4Config
+from .triton_support import INTERPRET  # a module attribute here: tests switch it off
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton at import, as in fp8_linear
 
 
 @functools.lru_cache(maxsize=None)

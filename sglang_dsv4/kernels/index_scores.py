@@ -19,13 +19,13 @@ scores).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from .fp8_linear import INTERPRET, _sm_count
+from .fp8_linear import _sm_count
 from .kv_layout import IndexFp8Rows
+from .triton_support import runs_on
 
 Tensor = torch.Tensor
 
@@ -39,16 +39,7 @@ PROGRAM_WAVES = 8     # programs per SM the launch aims for (each holds its toke
 
 def supported(qi: Tensor, layout) -> bool:
     """Whether ``paged_index_scores`` runs here for keys stored in ``layout``."""
-    return isinstance(layout, IndexFp8Rows) and (qi.is_cuda or INTERPRET) and _triton_ok()
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_ok() -> bool:
-    try:
-        from . import index_triton  # noqa: F401
-    except Exception:  # ImportError, or triton failing to initialise
-        return False
-    return True
+    return isinstance(layout, IndexFp8Rows) and runs_on(qi, "index_triton")
 
 
 def blocks_per_program(tokens: int, blocks: int, sms: int, waves: int = PROGRAM_WAVES) -> int:

@@ -12,31 +12,19 @@ decide the launch (CUDA graphs).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .fp8_linear import INTERPRET
+from .triton_support import runs_on
 
 Tensor = torch.Tensor
 
 BLOCK = 128  # bytes a program copies at once
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_ok() -> bool:
-    try:
-        from . import kv_store_triton  # noqa: F401
-    except Exception:  # ImportError, or triton failing to initialise
-        return False
-    return True
-
-
 def supported(buf: Tensor) -> bool:
     """Whether ``store_row_bytes`` runs for this page buffer (uint8 pages with contiguous bytes,
     on a CUDA device or under the interpreter)."""
-    return ((buf.is_cuda or INTERPRET) and buf.dtype == torch.uint8 and buf.dim() == 2 and buf.stride(1) == 1
-            and _triton_ok())
+    return buf.dtype == torch.uint8 and buf.dim() == 2 and buf.stride(1) == 1 and runs_on(buf, "kv_store_triton")
 
 
 @torch.compiler.disable  # a kernel launch, never traced

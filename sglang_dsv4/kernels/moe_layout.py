@@ -12,11 +12,9 @@ Shapes only decide the launch (CUDA graphs).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .fp8_linear import INTERPRET
+from .triton_support import pow2, runs_on
 
 Tensor = torch.Tensor
 
@@ -24,23 +22,10 @@ MAX_PAIRS = 4096  # one program sorts them all in registers: decode batches (256
 CHUNK = 256       # blocks / rows a loop iteration writes
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_ok() -> bool:
-    try:
-        from . import moe_layout_triton  # noqa: F401
-    except Exception:  # ImportError, or triton failing to initialise
-        return False
-    return True
-
-
 def supported(chosen: Tensor) -> bool:
     """Whether ``row_layout`` runs for this routing (a CUDA tensor or the interpreter, at most
     ``MAX_PAIRS`` pairs)."""
-    return (chosen.is_cuda or INTERPRET) and 0 < chosen.numel() <= MAX_PAIRS and _triton_ok()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    return 0 < chosen.numel() <= MAX_PAIRS and runs_on(chosen, "moe_layout_triton")
 
 
 @torch.compiler.disable  # a kernel launch, never traced
@@ -59,10 +44,10 @@ def row_layout(chosen: Tensor, gates: Tensor, first_expert: int, num_experts: in
     block_expert = torch.empty(M // block_m, dtype=torch.int32, device=dev)
     dest_of_pair = torch.empty(P, dtype=torch.int64, device=dev)
     gate_of_row = torch.empty(M, dtype=torch.float32, device=dev)
-    e_b = max(_pow2(E + 1), 16)
+    e_b = max(pow2(E + 1), 16)
     work = torch.empty(e_b, dtype=torch.int32, device=dev)
     moe_row_layout_kernel[(1,)](chosen.contiguous(), gates.contiguous(), token_of_row, block_expert, dest_of_pair,
-                                gate_of_row, work, P, M, first_expert, k, E=E, A=block_m, P_B=max(_pow2(P), 16),
+                                gate_of_row, work, P, M, first_expert, k, E=E, A=block_m, P_B=max(pow2(P), 16),
                                 E_B=e_b, CHUNK=CHUNK, num_warps=8 if P > 1024 else 4)
     return token_of_row, block_expert, dest_of_pair, gate_of_row
 

@@ -12,33 +12,18 @@ interpreter, and on the GPU). Shapes only decide the launch (CUDA graphs).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .fp8_linear import INTERPRET
+from .triton_support import pow2, runs_on
 
 Tensor = torch.Tensor
 
 MIN_CHUNK = 1024  # entries a program reduces at once (at least k, rounded up to a power of two)
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_ok() -> bool:
-    try:
-        from . import topk_triton  # noqa: F401
-    except Exception:  # ImportError, or triton failing to initialise
-        return False
-    return True
-
-
 def supported(scores: Tensor) -> bool:
     """Whether ``select_topk_rows`` runs for these scores (float32 CUDA tensors, or the interpreter)."""
-    return (scores.is_cuda or INTERPRET) and scores.dtype == torch.float32 and scores.dim() == 2 and _triton_ok()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    return scores.dtype == torch.float32 and scores.dim() == 2 and runs_on(scores, "topk_triton")
 
 
 @torch.compiler.disable  # a kernel launch, never traced
@@ -56,7 +41,7 @@ def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | N
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     if T == 0 or k == 0:
         return out
-    kp = _pow2(k)
+    kp = pow2(k)
     chunk = max(kp, MIN_CHUNK if chunk is None else chunk)
     if chunk & (chunk - 1):
         raise ValueError(f"select_topk_rows: chunk {chunk} is not a power of two")

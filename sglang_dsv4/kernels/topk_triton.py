@@ -18,13 +18,7 @@ def topk_rows_kernel(Scores, Visible, Out, N, stride_s, stride_o, K, K_P: tl.con
     best = tl.full([K_P], lowest, tl.int64)
     for start in range(0, N, CHUNK):
         j = start + tl.arange(0, CHUNK).to(tl.int64)
-        inside = j < N
-        x = tl.load(Scores + t * stride_s + j, mask=inside, other=0.0)
-        x = tl.where(j < vis, x, float("-inf"))
-        x = tl.where(x == 0.0, 0.0, x)
-        bits = x.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        packed = (key.to(tl.int64) << 32) + (N - 1 - j)
+        _, packed, inside = _row_keys(Scores, t, stride_s, vis, N, j)
         packed = tl.where(inside, packed, lowest)
         top = tl.topk(packed, K_P)
         best = tl.topk(tl.reshape(tl.join(best, top), [2 * K_P]), K_P)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dsv4.kernels import kv_store
+from sglang_dsv4.kernels import kv_store, triton_support
 
 _CASES = """
 import torch
@@ -51,7 +51,7 @@ def test_the_row_store_leaves_the_torch_stores_bytes(triton_interpreted):
 
 def test_the_row_store_takes_byte_pages_on_a_device_only():
     pages = torch.zeros(4, 64, dtype=torch.uint8)
-    assert kv_store.supported(pages) == kv_store.INTERPRET  # CPU pages: the torch store
+    assert kv_store.supported(pages) == triton_support.INTERPRET  # CPU pages: the torch store
     assert not kv_store.supported(pages.view(4, 2, 32)) and not kv_store.supported(pages.float())
     with pytest.raises(ValueError, match="segments"):
         kv_store.store_row_bytes(pages, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), [])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_dsv4.kernels import moe_layout
+from sglang_dsv4.kernels import moe_layout, triton_support
 
 _CASES = """
 import math
@@ -35,5 +35,5 @@ def test_the_kernel_gives_the_torch_regions_layout(triton_interpreted):
 
 def test_the_kernel_serves_decode_pair_counts_only():
     cpu = torch.zeros(256, 6, dtype=torch.int32)
-    assert not moe_layout.supported(cpu) or moe_layout.INTERPRET  # a CPU tensor: the torch region
+    assert not moe_layout.supported(cpu) or triton_support.INTERPRET  # a CPU tensor: the torch region
     assert moe_layout.MAX_PAIRS >= 256 * 6  # the largest decode bucket's pairs at V4's k
