@@ -385,11 +385,8 @@ class V4Model:
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"][:, c4], cache.slot_state[f"c4_{kind}_s"][:, c4]
         idx, dst = step.derived(("c4_windows",), lambda: _c4_window_rows(step))
         rope = step.derived(("rope_c4_entries",), lambda: ops.rope_at(step.positions - 3, freqs))  # group starts
-        entries = ops.c4_entries(a, s, st_a, st_s, step.slots, idx, w, prefix, rope, self.cfg,
-                                 is_indexer, self.quant_sim)
-        st_a[dst] = a
-        st_s[dst] = s
-        return entries
+        return ops.c4_entries(a, s, st_a, st_s, step.slots, idx, dst, w, prefix, rope, self.cfg,
+                              is_indexer, self.quant_sim)
 
     def _c128_entries(self, cache: V4CacheView, step: StepBatch, c128: int, a: Tensor, s: Tensor,
                       w: dict[str, Tensor], freqs: Tensor) -> Tensor:
@@ -399,9 +396,7 @@ class V4Model:
         slots = step.derived(("c128_slots",), lambda: step.slots[step.tok_req[seg.last_tok]])
         run = ops.online_softmax_pool(a, s, seg.tok, ops.c128_start(seg.carry, slots, state, a), seg.width)
         rope = step.derived(("rope_c128_entries",), lambda: ops.rope_at(seg.first_pos, freqs))
-        store, entries = ops.c128_finish(run, seg.completes, w, rope, self.cfg, self.quant_sim)
-        state[seg.store_slot] = store
-        return entries
+        return ops.c128_finish(run, seg.completes, state, seg.store_slot, w, rope, self.cfg, self.quant_sim)
 
     def _select(self, backend: AttentionBackend, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor,
                 hw: Tensor, visible: Tensor) -> Tensor:

@@ -368,9 +368,9 @@ def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
     return (torch.softmax(s, dim=-1) * a).sum(-1)
 
 
-@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "rope": (0,)})
+@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "dst": (0,), "rope": (0,)})
 def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
-               w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
+               dst: tuple[Tensor, Tensor], w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
                is_indexer: bool, quant_sim: bool) -> Tensor:
     """The C4 entry each token's 8-row window completes, finished (``finish_entries``) -> [T, d].
 
@@ -378,13 +378,17 @@ def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Te
     ``state_*`` [slots, 8, 2d] (``slots`` [B]: B * 8 rows); the chunk's rows a, s (T); a padding
     row (a 0, s -inf)], ``idx`` [T, 8] indexing that concatenation; a token at position p pools
     positions p-7..p, the group's first token p - 3 (``rope``: each token's rotation at p - 3).
-    One fused region on the GPU."""
+    Then the states take the chunk's rows in place at ``dst`` (slot, row) (each request's last 8
+    positions; the scratch slot the others). One fused region on the GPU, the writes included."""
     d2 = a.shape[1]
     prev_a, prev_s = state_a[slots].reshape(-1, d2), state_s[slots].reshape(-1, d2)
     src_a = torch.cat((prev_a, a, a.new_zeros(1, d2)))
     src_s = torch.cat((prev_s, s, s.new_full((1, d2), float("-inf"))))
     pooled = pool_c4_windows(src_a[idx], src_s[idx])
-    return finish_entries(pooled, w, prefix, rope, cfg, is_indexer, quant_sim)
+    entries = finish_entries(pooled, w, prefix, rope, cfg, is_indexer, quant_sim)
+    state_a[dst] = a
+    state_s[dst] = s
+    return entries
 
 
 def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width: int) -> Tensor:
@@ -427,15 +431,16 @@ def c128_start(carry: Tensor, slots: Tensor, state: Tensor, a: Tensor) -> Tensor
     return torch.where(carry[:, None, None], state[slots], _empty_pool_state(a))
 
 
-@on_gpu(rows={"run": (0,), "completes": (0,), "rope": (0,)})
-def c128_finish(run: Tensor, completes: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
-                quant_sim: bool) -> tuple[Tensor, Tensor]:
-    """Each segment's state after its rows [G, 3, d] -> (the state its slot keeps: empty where the
-    group completed; its pooled entry, finished, [G, d]: meaningful where it completed). ``rope``:
-    each segment's rotation at its group's first position."""
-    store = torch.where(completes[:, None, None], _empty_pool_state(run[:, 0]), run)
+@on_gpu(rows={"run": (0,), "completes": (0,), "store_slot": (0,), "rope": (0,)})
+def c128_finish(run: Tensor, completes: Tensor, state: Tensor, store_slot: Tensor, w: dict[str, Tensor],
+                rope: Rope, cfg: V4Config, quant_sim: bool) -> Tensor:
+    """Each segment's state after its rows [G, 3, d] -> its pooled entry, finished, [G, d]
+    (meaningful where it completed its group); the state its slot keeps (empty where the group
+    completed) goes in place to row ``store_slot`` of this layer's ``state`` [slots, 3, d].
+    ``rope``: each segment's rotation at its group's first position."""
+    state[store_slot] = torch.where(completes[:, None, None], _empty_pool_state(run[:, 0]), run)
     pooled = run[:, 2] / run[:, 1]
-    return store, finish_entries(pooled, w, "attn.compressor", rope, cfg, False, quant_sim)
+    return finish_entries(pooled, w, "attn.compressor", rope, cfg, False, quant_sim)
 
 
 @on_gpu(rows={"pooled": (0,), "rope": (0,)})
