@@ -107,7 +107,7 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     T, k = chosen.shape
     E, P = experts.num_experts, chosen.numel()
     A, M = grouped_rows(P, E)
-    layout = moe_layout.row_layout if moe_layout.supported(chosen) else _row_layout  # one launch on the GPU
+    layout = moe_layout.row_layout if moe_layout.preferred(chosen) else _row_layout  # one launch on the GPU
     token_of_row, block_expert, dest_of_pair, gate_of_row = layout(chosen, gates, first_expert, E, A, M)
     xq, xs = quantize_act(x)
     # each GEMM's split-K partials (if K is split) are added by the region after it

@@ -20,12 +20,22 @@ Tensor = torch.Tensor
 
 MAX_PAIRS = 4096  # one program sorts them all in registers: decode batches (256 x 6 = 1536)
 CHUNK = 256       # blocks / rows a loop iteration writes
+# Where the one program beats the fused torch region (bench_moe_layout on the H200, session 16:
+# 6 pairs 1.03x at 32 experts, 2.1x at 256; 384 pairs 1.11x at 32, 0.63x at 256; 1536 pairs
+# 0.72-0.86x): a single program's serial scan loses once the pairs fill the torch kernels' grids.
+FASTER_UP_TO = 128
 
 
 def supported(chosen: Tensor) -> bool:
     """Whether ``row_layout`` runs for this routing (a CUDA tensor or the interpreter, at most
     ``MAX_PAIRS`` pairs)."""
     return 0 < chosen.numel() <= MAX_PAIRS and runs_on(chosen, "moe_layout_triton")
+
+
+def preferred(chosen: Tensor) -> bool:
+    """Whether the step should take ``row_layout`` over the torch region: supported, and at most
+    ``FASTER_UP_TO`` pairs (where it measured faster)."""
+    return chosen.numel() <= FASTER_UP_TO and supported(chosen)
 
 
 @torch.compiler.disable  # a kernel launch, never traced
@@ -52,4 +62,4 @@ def row_layout(chosen: Tensor, gates: Tensor, first_expert: int, num_experts: in
     return token_of_row, block_expert, dest_of_pair, gate_of_row
 
 
-__all__ = ["row_layout", "supported", "MAX_PAIRS"]
+__all__ = ["row_layout", "supported", "preferred", "MAX_PAIRS", "FASTER_UP_TO"]

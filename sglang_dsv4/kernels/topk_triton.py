@@ -56,7 +56,7 @@ def topk_radix_kernel(Scores, Visible, Out, Work, N, stride_s, stride_o, K, K_P:
     prefix = (t * 0).to(tl.int64)  # the score bits chosen so far, digit by digit
     d = tl.arange(0, 256)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # constexpr: p is a static_range index
         hist = tl.zeros([256], tl.int32)
         for start in range(0, N, CHUNK):
             j = start + tl.arange(0, CHUNK).to(tl.int64)
