@@ -4,9 +4,10 @@
 bits, then n - 1 - column: the stable sort's choice and order). On the GPU that top-k is a radix
 select of several passes and launches: ~53 us a call for one row of 4096 entries at batch 1 (4
 launches), 108 launches and 0.37 ms a step at batch 256 over 3 C4 layers (flash8 censuses,
-sessions 11 and 14). Here each row's keys are formed in registers and reduced chunk by chunk
-with Triton's bitonic ``tl.topk``, the best k kept sorted: one launch, the same keys, so the same
-columns in the same order (tested against ``ops.select_topk``'s torch path under the
+sessions 11 and 14). Here each row's keys are formed in registers, a radix select of four
+256-bin histogram passes finds the k-th key, one pass gathers the chosen and one sort of k orders
+them (or, ``method="bitonic"``, Triton's ``tl.topk`` keeps the best k chunk by chunk): one launch,
+the same keys, so the same columns in the same order (tested against ``ops.select_topk``'s torch path under the
 interpreter, and on the GPU). Shapes only decide the launch (CUDA graphs).
 """
 
@@ -18,8 +19,10 @@ from .triton_support import pow2, runs_on
 
 Tensor = torch.Tensor
 
-# entries a program reduces at once by default (at least k; at most the row's power of two):
-# bench_topk on the H200, 1 row of 4096: chunk 4096 / 8 warps 56.8 us, 1024 / 4 warps 74.7 us
+# entries a program reduces at once by default (at least k; at most the row's power of two).
+# bench_topk on the H200 (session 16), rows of 4096, k 512: radix select with chunk 4096 27.7 /
+# 28.3 / 59.2 us at 1 / 64 / 256 rows (torch.topk over the keys 70.2 / 86.1 / 178.8; bitonic
+# 56.8 / 57.4 / 118.1; radix with chunk 8192 52-110)
 MAX_CHUNK = 4096
 
 
@@ -30,13 +33,13 @@ def supported(scores: Tensor) -> bool:
 
 @torch.compiler.disable  # a kernel launch, never traced
 def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | None = None,
-                     num_warps: int | None = None, method: str = "bitonic") -> Tensor:
+                     num_warps: int | None = None, method: str = "radix") -> Tensor:
     """``ops.select_topk(scores, num_visible, k)``: per row the columns of its top-min(k, visible)
     scores among j < num_visible (ties: lower column first), in order, -1 padded -> [T, k] int64.
     ``chunk``: entries a program reduces at once (a power of two >= k; default: ``MAX_CHUNK``,
     or the row's power of two if smaller, or k's if larger); ``num_warps``: the program's warps;
-    ``method``: "bitonic" (the best k
-    kept by ``tl.topk`` chunk by chunk) or "radix" (four histogram passes find the k-th key, one
+    ``method``: "radix" (the default, 2-5x faster on the H200) or "bitonic" (the best k kept by
+    ``tl.topk`` chunk by chunk); "radix" (four histogram passes find the k-th key, one
     pass gathers the chosen, one sort orders them). ``benchmarks/bench_topk.py`` sweeps all three."""
     from .topk_triton import topk_radix_kernel, topk_rows_kernel
 
