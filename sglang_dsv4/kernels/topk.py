@@ -38,9 +38,9 @@ def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | N
     scores among j < num_visible (ties: lower column first), in order, -1 padded -> [T, k] int64.
     ``chunk``: entries a program reduces at once (a power of two >= k; default: ``MAX_CHUNK``,
     or the row's power of two if smaller, or k's if larger); ``num_warps``: the program's warps;
-    ``method``: "radix" (the default, 2-5x faster on the H200) or "bitonic" (the best k kept by
-    ``tl.topk`` chunk by chunk); "radix" (four histogram passes find the k-th key, one
-    pass gathers the chosen, one sort orders them). ``benchmarks/bench_topk.py`` sweeps all three."""
+    ``method``: "radix" (the default, 2-3x faster than "bitonic" on the H200: four histogram passes
+    find the k-th key, one pass gathers the chosen, one sort orders them) or "bitonic" (the best k
+    kept by ``tl.topk`` chunk by chunk). ``benchmarks/bench_topk.py`` sweeps all three."""
     from .topk_triton import topk_radix_kernel, topk_rows_kernel
 
     T, N = scores.shape
