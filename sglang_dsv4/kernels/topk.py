@@ -31,6 +31,14 @@ def supported(scores: Tensor) -> bool:
     return scores.dtype == torch.float32 and scores.dim() == 2 and runs_on(scores, "topk_triton")
 
 
+def preferred(scores: Tensor) -> bool:
+    """Whether the step should take ``select_topk_rows`` over ``torch.topk``: supported, and rows
+    of at most ``MAX_CHUNK`` (one chunk a pass). The H200, session 16: rows of 4096 2.5-3x faster
+    (bench_topk); a flash8 step at 16K context (rows of 8192, 4097+ visible: two chunks a pass)
+    0.228 ms over its 3 calls at batch 1 against torch's 0.157 ms (census)."""
+    return scores.shape[-1] <= MAX_CHUNK and supported(scores)
+
+
 @torch.compiler.disable  # a kernel launch, never traced
 def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | None = None,
                      num_warps: int | None = None, method: str = "radix") -> Tensor:
@@ -64,4 +72,4 @@ def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | N
     return out
 
 
-__all__ = ["select_topk_rows", "supported"]
+__all__ = ["select_topk_rows", "supported", "preferred", "MAX_CHUNK"]

@@ -22,7 +22,9 @@ for T, N, k, chunk in [(3, 5, 4, None), (2, 300, 8, 16), (4, 700, 16, 64), (2, 2
             got = topk.select_topk_rows(scores, v, k, chunk, method=method)
             assert got.shape == (T, k) and got.dtype == torch.int64
             worst += int(not torch.equal(got, want))
-assert topk.supported(s) and torch.equal(ops.select_topk(s, v, k), ops.select_topk_torch(s, v, k))
+assert topk.preferred(s) and torch.equal(ops.select_topk(s, v, k), ops.select_topk_torch(s, v, k))
+wide = torch.zeros(1, topk.MAX_CHUNK + 1)
+assert topk.supported(wide) and not topk.preferred(wide)  # two chunks a pass: torch.topk
 print("WORST", worst)
 """
 
