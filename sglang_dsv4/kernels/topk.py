@@ -7,8 +7,9 @@ launches), 108 launches and 0.37 ms a step at batch 256 over 3 C4 layers (flash8
 sessions 11 and 14). Here each row's keys are formed in registers, a radix select of four
 256-bin histogram passes finds the k-th key, one pass gathers the chosen and one sort of k orders
 them (or, ``method="bitonic"``, Triton's ``tl.topk`` keeps the best k chunk by chunk): one launch,
-the same keys, so the same columns in the same order (tested against ``ops.select_topk``'s torch path under the
-interpreter, and on the GPU). Shapes only decide the launch (CUDA graphs).
+the same keys, so the same columns in the same order (tested against ``ops.select_topk``'s
+torch path under the interpreter, and on the GPU). Shapes only decide the launch (CUDA graphs).
+The step takes it for rows of one chunk (``preferred``); wider rows keep ``torch.topk``.
 """
 
 from __future__ import annotations
