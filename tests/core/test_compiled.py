@@ -95,8 +95,6 @@ def test_the_fused_regions_traced_give_the_eager_steps_bits(micro, monkeypatch):
 
     want = run()
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 256)
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 4096)
     traced = 0
     for module in (ops, model_mod, kv_layout, sparse_mla, state_mod):
         for name in dir(module):
@@ -105,7 +103,10 @@ def test_the_fused_regions_traced_give_the_eager_steps_bits(micro, monkeypatch):
                 monkeypatch.setattr(module, name, torch.compile(fn.eager, backend="aot_eager"))
                 traced += 1
     assert traced >= 25
-    got = run()
+    # config.patch, not monkeypatch: undoing a monkeypatch of a dynamo config hides the key (its
+    # module's __delattr__), so the next compile in the process failed reading it
+    with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
+        got = run()
     torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
     assert len(got[1]) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
