@@ -35,7 +35,7 @@ def supported(scores: Tensor) -> bool:
 def preferred(scores: Tensor) -> bool:
     """Whether the step should take ``select_topk_rows`` over ``torch.topk``: supported, and rows
     of at most ``MAX_CHUNK`` (one chunk a pass). The H200, session 16: rows of 4096 2.5-3x faster
-    (bench_topk); a flash8 step at 16K context (rows of 8192, 4097+ visible: two chunks a pass)
+    (bench_topk); a flash8 step at 16K context (rows past 4096, 4097+ visible: two chunks a pass)
     0.228 ms over its 3 calls at batch 1 against torch's 0.157 ms (census)."""
     return scores.shape[-1] <= MAX_CHUNK and supported(scores)
 

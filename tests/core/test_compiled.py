@@ -66,8 +66,8 @@ def test_a_negative_dim_skips_tensors_with_fewer_dims():
 def test_the_fused_regions_traced_give_the_eager_steps_bits(micro, monkeypatch):
     """Every ``on_gpu`` region traced through AOTAutograd (functionalised, as Inductor takes it on
     the GPU), their in-place writes of slot states and tables included, gives the eager model's
-    outputs and cache contents (scratch rows aside) bit for bit over a prefill and three decode steps (FlashMLA's fp8
-    storage, the GPU's entry-table widths)."""
+    outputs and cache contents (scratch rows aside) bit for bit over a prefill and three decode
+    steps (FlashMLA's fp8 storage, the GPU's entry-table widths)."""
     from sglang_dsv4.core import model as model_mod
     from sglang_dsv4.core.model import V4Model
     from sglang_dsv4.kernels import kv_layout, sparse_mla
@@ -85,8 +85,8 @@ def test_the_fused_regions_traced_give_the_eager_steps_bits(micro, monkeypatch):
         ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (9, 130)]
         outs = [torch.cat(model.forward(cache, reqs, ids))]
         for _ in range(3):
-            outs.append(torch.cat(model.forward(cache, reqs, [torch.randint(0, cfg.vocab_size, (1,), generator=g)
-                                                            for _ in reqs])))
+            step_ids = [torch.randint(0, cfg.vocab_size, (1,), generator=g) for _ in reqs]
+            outs.append(torch.cat(model.forward(cache, reqs, step_ids)))
         # the scratch slot, page and entry row last in each: what they hold is no one's (tokens
         # that write nothing real all land there, in either order)
         state = [t[:-1].clone() for t in cache.slot_state.values()]
