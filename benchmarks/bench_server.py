@@ -12,18 +12,13 @@ import argparse
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import requests
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang_dsv4.ports import free_port
 
 
 def ttft(url: str, ids: list[int], max_new_tokens: int = 8) -> tuple[float, list[int], int]:

@@ -22,7 +22,6 @@ import datetime
 import hashlib
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -37,6 +36,7 @@ from .checkpoint import load_checkpoint
 from .core.cache import V4Cache
 from .core.model import V4Model
 from .core.parallel import DataParallelTokens, ModelParallel, shard_model, shard_weights
+from .ports import free_port
 
 Tensor = torch.Tensor
 
@@ -144,12 +144,6 @@ def run_schedule(model: V4Model, cache: V4Cache, seed: int) -> list[Tensor]:
 
 
 # ---- workers ----------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _parallel(world: int, tp: int, ep: int) -> ModelParallel:
     # with N processes a case's groups are all of them or none (tp, ep in {1, N})
@@ -263,7 +257,7 @@ def run_check(opts: CheckOptions) -> CheckReport:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
     with tempfile.TemporaryDirectory(prefix="dsv4-parallel-") as out_dir:
         # spawned, not forked: CUDA and OpenMP thread pools do not survive a fork
-        mp.spawn(_worker, args=(opts, _free_port(), out_dir), nprocs=opts.world, join=True)
+        mp.spawn(_worker, args=(opts, free_port(), out_dir), nprocs=opts.world, join=True)
         per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(opts.world)]
     report = CheckReport(step_ms=per_rank[0]["step_ms"])
     for k, (i, case, err, agree, digest) in enumerate(per_rank[0]["compared"]):

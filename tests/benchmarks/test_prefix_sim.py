@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sglang_dsv4.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed package
@@ -223,18 +224,12 @@ def test_replay_counts():
 
 
 # ---- agreement with the real server --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ours_agrees_with_the_server(tmp_path):
     """Every request of agree.short_trace: simulator's cached tokens == server's cached_tokens."""
     from benchmarks.prefix_sim.agree import compare, short_trace
     from benchmarks.prefix_sim.serve import wait_healthy
 
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "sglang_dsv4.launch_server", "--model-path", "micro",
                              "--port", str(port), "--dsv4-snapshot-budget-mb", "64",

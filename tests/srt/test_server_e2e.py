@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,20 +22,21 @@ from typing import Iterator
 import pytest
 import requests
 
+from sglang_dsv4.ports import free_port
+
 STARTUP_TIMEOUT_S = 600
 COMMON_ARGS = ["--model-path", "micro", "--constrained-json-disable-any-whitespace",
                "--max-total-tokens", "16384", "--log-level", "info"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PortTaken(RuntimeError):
+    """The server could not bind its HTTP port: something else took it during start-up."""
 
 
 class Server:
     def __init__(self, name: str, extra: list[str], log_dir: Path, port: int | None = None):
-        self.port = port or _free_port()
+        self.name, self.extra = name, extra
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self.proc = subprocess.Popen(
@@ -47,6 +47,8 @@ class Server:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if "error while attempting to bind on address" in self.log():
+                raise PortTaken(f"{self.name}: port {self.port} was taken during start-up")
             try:
                 if requests.get(self.url + "/health", timeout=5).status_code == 200:
                     return
@@ -82,8 +84,15 @@ def running_servers(log_dir: Path, *configs: tuple[str, list[str], int | None]) 
         for name, extra, port in configs:
             servers.append(Server(name, extra, log_dir, port=port))
         deadline = time.time() + STARTUP_TIMEOUT_S
-        for server in servers:
-            server.wait_ready(deadline)
+        for i, server in enumerate(servers):
+            try:
+                server.wait_ready(deadline)
+            except PortTaken:  # once, on a fresh port (only a server given no port)
+                if configs[i][2] is not None:
+                    raise
+                server.stop()
+                servers[i] = Server(server.name, server.extra, log_dir)
+                servers[i].wait_ready(time.time() + STARTUP_TIMEOUT_S)
         yield tuple(servers)
     finally:
         for server in servers:
