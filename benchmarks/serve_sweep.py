@@ -3,10 +3,12 @@
     python -m benchmarks.serve_sweep --port 30000 [--concurrency 1,8,64] [--input-len 512]
         [--output-len 64] [--requests-per-client 4] [--label NAME]
 
-Each client thread sends ``/generate`` requests back to back (greedy, ``ignore_eos``), prompts of
-random token ids (distinct per request, so no prefix is shared). Prints one markdown row per
-concurrency: output tok/s over the wall time, mean time per output token of a request (TPOT:
-e2e latency / output tokens), and mean e2e latency.
+Each client thread streams ``/generate`` requests back to back (greedy, ``ignore_eos``), prompts
+of random token ids (distinct per request, so no prefix is shared). Prints one markdown row per
+concurrency: output tok/s over the wall time; per request, as SGLang's ``bench_serving`` defines
+them, TTFT (time to the first streamed token), TPOT ((e2e - TTFT) / (output tokens - 1): the
+decode steps alone, the prefill left out) and the median inter-token latency (ITL) over all
+requests' gaps between streamed chunks; mean e2e latency.
 """
 
 from __future__ import annotations
@@ -14,15 +16,31 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import threading
 import time
 import urllib.request
 
 
-def _post(port: int, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
+def _stream(port: int, body: dict) -> dict:
+    """One streamed ``/generate``: the last chunk's ``meta_info`` with ``ttft`` (s), ``e2e`` (s)
+    and ``gaps`` (s between chunks that each bring new tokens) measured here."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json"})
-    return json.load(urllib.request.urlopen(req, timeout=600))
+    start = time.perf_counter()
+    arrivals, tokens, meta = [], 0, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            meta = json.loads(line[6:])["meta_info"]
+            if meta["completion_tokens"] > tokens:
+                tokens = meta["completion_tokens"]
+                arrivals.append(time.perf_counter())
+    if meta is None or not arrivals:
+        raise RuntimeError("the server streamed no tokens")
+    return {**meta, "ttft": arrivals[0] - start, "e2e": arrivals[-1] - start,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
 def sweep(port: int, concurrency: int, input_len: int, output_len: int, per_client: int, seed: int) -> dict:
@@ -33,10 +51,10 @@ def sweep(port: int, concurrency: int, input_len: int, output_len: int, per_clie
 
     def client(k: int) -> None:
         for i in range(per_client):
-            r = _post(port, {"input_ids": prompts[k * per_client + i],
-                             "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}})
+            r = _stream(port, {"input_ids": prompts[k * per_client + i],
+                               "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}})
             with lock:
-                results.append(r["meta_info"])
+                results.append(r)
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
     t = time.perf_counter()
@@ -45,9 +63,17 @@ def sweep(port: int, concurrency: int, input_len: int, output_len: int, per_clie
     for th in threads:
         th.join()
     wall = time.perf_counter() - t
+    if len(results) != len(threads) * per_client:
+        raise RuntimeError(f"{len(threads) * per_client - len(results)} requests failed (see above)")
     out = sum(m["completion_tokens"] for m in results)
-    return {"tok_s": out / wall, "tpot_ms": 1e3 * sum(m["e2e_latency"] / m["completion_tokens"] for m in results) / len(results),
-            "e2e_s": sum(m["e2e_latency"] for m in results) / len(results), "requests": len(results)}
+    decoded = [m for m in results if m["completion_tokens"] > 1]
+    gaps = [g for m in results for g in m["gaps"]]
+    return {"tok_s": out / wall,
+            "ttft_ms": 1e3 * statistics.fmean(m["ttft"] for m in results),
+            "tpot_ms": 1e3 * statistics.fmean((m["e2e"] - m["ttft"]) / (m["completion_tokens"] - 1) for m in decoded)
+            if decoded else float("nan"),
+            "itl_ms": 1e3 * statistics.median(gaps) if gaps else float("nan"),
+            "e2e_s": statistics.fmean(m["e2e"] for m in results), "requests": len(results)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="")
     args = ap.parse_args(argv)
     sweep(args.port, 2, 32, 8, 1, seed=99)  # warm-up: first captures, allocator growth
-    print("| server | concurrency | output tok/s | TPOT ms | e2e s | requests |\n|---|---|---|---|---|---|")
+    print("| server | concurrency | output tok/s | TTFT ms | TPOT ms | ITL ms (median) | e2e s | requests |\n"
+          "|---|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
         r = sweep(args.port, c, args.input_len, args.output_len, args.requests_per_client, seed=c)
-        print(f"| {args.label} | {c} | {r['tok_s']:.1f} | {r['tpot_ms']:.2f} | {r['e2e_s']:.2f} | {r['requests']} |",
-              flush=True)
+        print(f"| {args.label} | {c} | {r['tok_s']:.1f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['itl_ms']:.2f} "
+              f"| {r['e2e_s']:.2f} | {r['requests']} |", flush=True)
     return 0
 
 

@@ -321,3 +321,16 @@ def test_metrics_aborts_evictions_and_idle_pools(servers):
     assert m["sglang_dsv4:compressed_pool_bytes"] == 0
     log = on.log().lower()
     assert "leak" not in log and "traceback" not in log and "integrity check failed" not in log
+
+
+def test_serve_sweep_times_streamed_requests(servers):
+    """``benchmarks.serve_sweep`` (the server sweep's harness) against a running server: every
+    request streams its tokens; TTFT, TPOT and ITL are positive and within each request's e2e."""
+    repo = str(Path(__file__).resolve().parents[2])
+    if repo not in sys.path:  # benchmarks/ is not part of the installed package
+        sys.path.insert(0, repo)
+    from benchmarks.serve_sweep import sweep
+
+    r = sweep(servers[1].port, concurrency=2, input_len=24, output_len=6, per_client=2, seed=5)
+    assert r["requests"] == 4 and r["tok_s"] > 0
+    assert 0 < r["ttft_ms"] < 1e3 * r["e2e_s"] and 0 < r["tpot_ms"] and 0 < r["itl_ms"]
