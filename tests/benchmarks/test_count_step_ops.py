@@ -22,3 +22,22 @@ def test_counts_the_unfused_ops_of_a_decode_step():
     # the GPU's decode call path ran in every layer
     assert int(re.search(r"layers through the decode kernel's path: (\d+)", r.stdout).group(1)) == layers
     assert not any(s.endswith((":rms_norm", ":hc_mixes", ":project_q")) for s in sites)  # fused on a GPU
+
+
+def test_counts_the_fused_regions_traced_graphs():
+    """``--regions``: each region's calls and the graphs Dynamo traced them into; a graph break
+    adds graphs beyond one a call, and the table adds up to the totals."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.count_step_ops", "--config", "micro", "--batch", "2",
+                        "--context", "100", "--weights", "fp8", "--regions"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls, graphs, extra = map(int, re.search(
+        r"(\d+) fused-region calls ran (\d+) traced graphs in one decode step \((\d+) from graph breaks\)",
+        r.stdout).groups())
+    rows = {name: (int(c), int(g)) for c, g, name in re.findall(r"^\| (\d+) \| (\d+) \| (\w+) \|$", r.stdout, re.M)}
+    assert sum(c for c, _ in rows.values()) == calls and sum(g for _, g in rows.values()) == graphs
+    assert graphs - calls == extra and all(g >= c for c, g in rows.values())
+    layers = int(re.search(r"(\d+) layers", r.stdout).group(1))
+    assert rows["hc_mixes"] == (2 * layers, 2 * layers)  # before attention and the MoE: no break inside
+    reasons = re.findall(r"^\| (\d+) \| (.+) \|$", r.stdout.split("| graph breaks")[1], re.M)
+    assert bool(reasons) == (extra > 0)  # a graph that ran beyond one a call came from a traced break
