@@ -179,7 +179,8 @@ def region_census(args) -> None:
     cfg = model.cfg
     print(f"{args.config}: {cfg.num_hidden_layers} layers, batch {args.batch}, context {args.context}, "
           f"{args.weights} weights: {calls} fused-region calls ran {graphs} traced graphs in one decode step "
-          f"({graphs - calls} from graph breaks)")
+          f"({graphs - calls:+d} against one a call: a graph break adds one, a region left all eager by "
+          f"one, e.g. a lone kernel launch, runs none)")
     print("\n| calls | graphs | region |\n|---|---|---|")
     for name, n in sorted(regions.calls.items(), key=lambda kv: (-regions.graphs[kv[0]], kv[0]))[:args.top]:
         print(f"| {n} | {regions.graphs[name]} | {name} |")

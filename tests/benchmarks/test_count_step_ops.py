@@ -32,11 +32,11 @@ def test_counts_the_fused_regions_traced_graphs():
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     calls, graphs, extra = map(int, re.search(
-        r"(\d+) fused-region calls ran (\d+) traced graphs in one decode step \((\d+) from graph breaks\)",
+        r"(\d+) fused-region calls ran (\d+) traced graphs in one decode step \(([+-]\d+) against one a call",
         r.stdout).groups())
     rows = {name: (int(c), int(g)) for c, g, name in re.findall(r"^\| (\d+) \| (\d+) \| (\w+) \|$", r.stdout, re.M)}
     assert sum(c for c, _ in rows.values()) == calls and sum(g for _, g in rows.values()) == graphs
-    assert graphs - calls == extra and all(g >= c for c, g in rows.values())
+    assert graphs - calls == extra and all(g >= c for c, g in rows.values())  # the CPU runs no kernel
     layers = int(re.search(r"(\d+) layers", r.stdout).group(1))
     assert rows["hc_mixes"] == (2 * layers, 2 * layers)  # before attention and the MoE: no break inside
     reasons = re.findall(r"^\| (\d+) \| (.+) \|$", r.stdout.split("| graph breaks")[1], re.M)
