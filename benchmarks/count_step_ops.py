@@ -46,7 +46,17 @@ FREE = {"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "t", "transpos
 HOST = {"build_step", "_c128_segments", "_pad_segments", "stage", "plan_tables", "completing_tokens", "<genexpr>",
         "<dictcomp>", "<listcomp>"}  # step building: host tensors on a GPU too
 CPU_ONLY = {"_sorted_experts"}  # the CPU's loop over experts (grouped GEMMs on a GPU)
-REGION_MODULES = (ops, model_mod, kv_layout, sparse_mla, state_mod, fp8_linear, fp8_moe)  # the modules with on_gpu functions
+# the modules with on_gpu functions
+REGION_MODULES = (ops, model_mod, kv_layout, sparse_mla, state_mod, fp8_linear, fp8_moe)
+
+
+def wrap_regions(wrap) -> None:
+    """Replace every ``on_gpu`` function of ``REGION_MODULES`` by ``wrap(fn)`` (which keeps ``.eager``)."""
+    for module in REGION_MODULES:
+        for name in dir(module):
+            fn = getattr(module, name)
+            if callable(fn) and hasattr(fn, "eager"):
+                setattr(module, name, wrap(fn))
 
 
 class FusedRegions:
@@ -55,13 +65,7 @@ class FusedRegions:
     def __init__(self):
         self.depth = 0
 
-    def wrap_all(self, module) -> None:
-        for name in dir(module):
-            fn = getattr(module, name)
-            if callable(fn) and hasattr(fn, "eager"):
-                setattr(module, name, self._wrap(fn))
-
-    def _wrap(self, fn):
+    def wrap(self, fn):
         def inside(*a, **k):
             self.depth += 1
             try:
@@ -99,12 +103,6 @@ class RegionGraphs:
         self.calls, self.graphs = collections.Counter(), collections.Counter()
         self._compiled: dict[str, object] = {}
 
-    def wrap_all(self, module) -> None:
-        for name in dir(module):
-            fn = getattr(module, name)
-            if callable(fn) and hasattr(fn, "eager"):
-                setattr(module, name, self._wrap(fn.eager.__qualname__, fn))
-
     def _backend(self, name: str):
         def backend(gm: torch.fx.GraphModule, example_inputs):
             def run(*args):
@@ -113,7 +111,9 @@ class RegionGraphs:
             return run
         return backend
 
-    def _wrap(self, name: str, fn):
+    def wrap(self, fn):
+        name = fn.eager.__qualname__
+
         def inside(*a, **k):
             if torch.compiler.is_compiling() or any(fr.name in CPU_ONLY for fr in traceback.extract_stack()):
                 return fn.eager(*a, **k)  # traced into its caller / the CPU's own loop over experts
@@ -166,8 +166,7 @@ def decode_step(config: str, B: int, ctx: int, weights: str):
 def region_census(args) -> None:
     """``--regions``: the fused regions' calls and traced graphs in one decode step."""
     regions = RegionGraphs()
-    for module in REGION_MODULES:
-        regions.wrap_all(module)
+    wrap_regions(regions.wrap)
     gpu_code_path()
     # every region traces once per shape family and argument variant, as on the GPU (core.compiled)
     with torch._dynamo.config.patch(recompile_limit=compiled.RECOMPILE_LIMIT,
@@ -202,8 +201,7 @@ def main() -> None:
     if args.regions:
         return region_census(args)
     regions = FusedRegions()
-    for module in REGION_MODULES:
-        regions.wrap_all(module)
+    wrap_regions(regions.wrap)
     gpu_code_path()
     B, ctx = args.batch, args.context
     model, cache, states, ids = decode_step(args.config, B, ctx, args.weights)
