@@ -2,7 +2,11 @@
 one-launch kernel (``kernels.topk``), both its methods, at each chunk size and warp count.
 
     python -m benchmarks.bench_topk [--batches 1,64,256] [--entries 4096,16384] [--k 512]
-        [--chunks 1024,2048,4096,8192] [--warps 4,8,16] [--reps 20]
+        [--chunks 1024,2048,4096,8192] [--warps 4,8,16] [--reps 20] [--width 8192]
+
+``--width W``: the score rows are W wide with ``entries`` visible, as in a step, whose entry
+tables are the power of two past the longest request's entries (``step.entry_width``; a flash8
+decode step at 16K context has 4097+ entries, one past a chunk of 4096). 0: rows of ``entries``.
 
 Prints per (batch, entries) the torch path's time (``ops.select_topk_torch``, what the step ran
 before the kernel), the kernel's shipped choice and its five fastest other settings, and whether
@@ -35,13 +39,14 @@ def main() -> None:
     ap.add_argument("--chunks", default="1024,2048,4096,8192")
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--width", type=int, default=0, help="score row width (0: the entries)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     g = torch.Generator(device="cuda").manual_seed(0)
     print("| batch | entries | path | us / call | vs torch | same columns |")
     print("|---|---|---|---|---|---|")
     for B, N in itertools.product(ints(args.batches), ints(args.entries)):
-        scores = torch.randn(B, N, generator=g, device="cuda").relu()
+        scores = torch.randn(B, max(args.width, N), generator=g, device="cuda").relu()
         visible = torch.full((B,), N, device="cuda")
         want = ops.select_topk_torch(scores, visible, args.k)
         base = time_us(lambda: ops.select_topk_torch(scores, visible, args.k), args.reps)

@@ -16,7 +16,8 @@ def topk_rows_kernel(Scores, Visible, Out, N, stride_s, stride_o, K, K_P: tl.con
     vis = tl.load(Visible + t).to(tl.int64)
     lowest = -9223372036854775807 - 1  # below every key (the literal 2**63 would not be an int64)
     best = tl.full([K_P], lowest, tl.int64)
-    for start in range(0, N, CHUNK):
+    end = tl.minimum(vis, N)  # the visible columns: the score rows are wider (bucketed widths)
+    for start in range(0, end, CHUNK):
         j = start + tl.arange(0, CHUNK).to(tl.int64)
         _, packed, inside = _row_keys(Scores, t, stride_s, vis, N, j)
         packed = tl.where(inside, packed, lowest)
@@ -31,10 +32,11 @@ def topk_rows_kernel(Scores, Visible, Out, N, stride_s, stride_o, K, K_P: tl.con
 @triton.jit
 def _row_keys(Scores, t, stride_s, vis, N, j):
     """Row t's keys at columns j: (the score's orderable bits as int64 in [0, 2**32), the packed
-    int64 key of ``ops._stable_topk``, whether j is a column)."""
-    inside = j < N
+    int64 key of ``ops._stable_topk``, whether j is a visible column). Only visible columns are
+    read: an invisible one's key (-inf's bits) ranks below every visible one's, so it can only
+    fill positions >= the visible count, which are -1."""
+    inside = (j < N) & (j < vis)
     x = tl.load(Scores + t * stride_s + j, mask=inside, other=0.0)
-    x = tl.where(j < vis, x, float("-inf"))
     x = tl.where(x == 0.0, 0.0, x)
     bits = x.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -45,20 +47,21 @@ def _row_keys(Scores, t, stride_s, vis, N, j):
 @triton.jit(do_not_specialize=["N", "K"])
 def topk_radix_kernel(Scores, Visible, Out, Work, N, stride_s, stride_o, K, K_P: tl.constexpr, CHUNK: tl.constexpr):
     """``topk_rows_kernel``'s result by a radix select: four histogram passes over the row find
-    the K'-th largest score's bits (K' = min(K, N)) and how many of its ties to take (the lowest
+    the K'-th largest visible score's bits (K' = min(K, visible)) and how many of its ties to take (the lowest
     columns: the keys' order), one pass writes the K' chosen keys to row t of ``Work`` [T, K_P],
     and a sort of those K_P orders them."""
     t = tl.program_id(axis=0).to(tl.int64)
     vis = tl.load(Visible + t).to(tl.int64)
     lowest = -9223372036854775807 - 1
-    kk = tl.minimum(K, N)
+    end = tl.minimum(vis, N)  # the visible columns: the score rows are wider (bucketed widths)
+    kk = tl.minimum(K, end)
     remaining = kk
     prefix = (t * 0).to(tl.int64)  # the score bits chosen so far, digit by digit
     d = tl.arange(0, 256)
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # constexpr: p is a static_range index
         hist = tl.zeros([256], tl.int32)
-        for start in range(0, N, CHUNK):
+        for start in range(0, end, CHUNK):
             j = start + tl.arange(0, CHUNK).to(tl.int64)
             u, packed, inside = _row_keys(Scores, t, stride_s, vis, N, j)
             match = inside & ((u >> (shift + 8)) == prefix)
@@ -73,7 +76,7 @@ def topk_radix_kernel(Scores, Visible, Out, Work, N, stride_s, stride_o, K, K_P:
     tl.debug_barrier()
     taken = (t * 0).to(tl.int64)
     ties = (t * 0).to(tl.int64)
-    for start in range(0, N, CHUNK):
+    for start in range(0, end, CHUNK):
         j = start + tl.arange(0, CHUNK).to(tl.int64)
         u, packed, inside = _row_keys(Scores, t, stride_s, vis, N, j)
         tie = inside & (u == prefix)
