@@ -190,7 +190,20 @@ def split_k(tiles: int, k_blocks: int, sms: int) -> tuple[int, int]:
     return math.ceil(k_blocks / per), per
 
 
-@torch.compiler.disable  # a graph break where a compiled caller (core.compiled) reaches the kernel launch
+def _plan(M: int, N: int, K: int, block_m: int | None, grouped: bool,
+          device: torch.device) -> tuple[dict[str, int], int, int, int]:
+    """A GEMM's launch, from shapes only: (tile config, output tiles, K splits, K blocks a split)."""
+    cfg = _config(M, N, block_m, grouped)
+    tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    splits, per = split_k(tiles, -(-K // cfg["BLOCK_K"]), _sm_count(device))
+    return cfg, tiles, splits, per
+
+
+def _runs_kernel(device: torch.device) -> bool:
+    return device.type == "cuda" or INTERPRET
+
+
+@torch.compiler.disable  # eager callers; a compiled one reaches the launch through fp8_gemm_op (below)
 def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, rows: Tensor | None = None,
              block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None,
              sum_splits: bool = True) -> Tensor:
@@ -203,10 +216,8 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     ``sum_splits=False``: where K is split (``split_k``), the fp32 partial products [S, M, N]
     instead, for a compiled caller to add (``add_splits``) inside its own next kernel.
     """
-    if a_q.device.type != "cuda" and not INTERPRET:
+    if not _runs_kernel(a_q.device):
         return fp8_gemm_reference(a_q, a_s, w, out_dtype, rows, block_expert, block_m, m)
-    import triton
-
     from .fp8_triton import fp8_block_gemm_kernel, split_k_sum_kernel
 
     grouped = block_expert is not None
@@ -214,14 +225,12 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
     if grouped and block_m is None:
         raise ValueError("fp8_gemm: a grouped GEMM needs the block_m its block_expert table was built for")
-    cfg = _config(M, N, block_m, grouped)
     c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
     if M == 0:
         return c
     wq = w.q if grouped else w.q.unsqueeze(0)
     ws = w.scale if grouped else w.scale.unsqueeze(0)
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    splits, per = split_k(tiles, triton.cdiv(K, cfg["BLOCK_K"]), _sm_count(a_q.device))
+    cfg, tiles, splits, per = _plan(M, N, K, block_m, grouped, a_q.device)
     part = c if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=a_q.device)
     dummy = rows if rows is not None else (block_expert if grouped else c)
     fp8_block_gemm_kernel[(tiles, splits)](
@@ -232,9 +241,37 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     if splits > 1:
         if not sum_splits:
             return part
-        split_k_sum_kernel[(triton.cdiv(M * N, SPLIT_K_SUM_BLOCK),)](part, c, M * N, SPLIT_K=splits,
+        split_k_sum_kernel[(-(-M * N // SPLIT_K_SUM_BLOCK),)](part, c, M * N, SPLIT_K=splits,
                                                                       BLOCK=SPLIT_K_SUM_BLOCK)
     return c
+
+
+# A compiled caller reaches the launch through this custom op rather than through the disabled
+# function above: no graph break, so the region goes on around the GEMM (Inductor fuses the
+# activation quantiser into its producer's kernel and ``add_splits`` into the consumer's). A
+# graph break inside ``fp8_linear`` resumed there, in a frame of its own, so the split-K sum
+# was a kernel of its own (59 a flash8 step, session 16's census).
+@torch.library.custom_op("sglang_dsv4::fp8_gemm", mutates_args=())
+def fp8_gemm_op(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype,
+                rows: Tensor | None = None, block_expert: Tensor | None = None, block_m: int | None = None,
+                m: int | None = None, sum_splits: bool = True) -> Tensor:
+    """``fp8_gemm`` with the weight as its two tensors (``Fp8Weight(wq, ws)``), as a torch op."""
+    return fp8_gemm(a_q, a_s, Fp8Weight(wq, ws), out_dtype, rows, block_expert, block_m, m, sum_splits)
+
+
+@fp8_gemm_op.register_fake
+def _fp8_gemm_shape(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype,
+                    rows: Tensor | None = None, block_expert: Tensor | None = None, block_m: int | None = None,
+                    m: int | None = None, sum_splits: bool = True) -> Tensor:
+    """What ``fp8_gemm`` returns, from shapes: [M, N] in ``out_dtype``, or the fp32 partials
+    [S, M, N] where the kernel splits K and ``sum_splits`` is False."""
+    N, K = wq.shape[-2:]
+    M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
+    if M and _runs_kernel(a_q.device) and not sum_splits:
+        splits = _plan(M, N, K, block_m, block_expert is not None, a_q.device)[2]
+        if splits > 1:
+            return a_q.new_empty(splits, M, N, dtype=torch.float32)
+    return a_q.new_empty(M, N, dtype=out_dtype)
 
 
 def add_splits(part: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -273,7 +310,10 @@ def fp8_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     q, s = quantize_act(x)
     if not torch.compiler.is_compiling():
         return fp8_gemm(q, s, w, x.dtype)
-    out = fp8_gemm(q, s, w, x.dtype, sum_splits=False)
+    if isinstance(x.shape[0], int):  # the op's output shape follows the launch's split
+        out = fp8_gemm_op(q, s, w.q, w.scale, x.dtype, sum_splits=False)
+    else:  # symbolic rows (the generic mode): the launch decides, behind a graph break
+        out = fp8_gemm(q, s, w, x.dtype, sum_splits=False)
     return out if out.dim() == 2 else add_splits(out, x.dtype)
 
 
@@ -282,5 +322,5 @@ def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
     return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
 
 
-__all__ = ["Fp8Weight", "weight_nbytes", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm",
+__all__ = ["Fp8Weight", "weight_nbytes", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
            "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "ACT_GROUP", "triton_missing"]

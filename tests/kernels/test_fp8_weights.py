@@ -316,6 +316,42 @@ def test_triton_kernel_interpreted(triton_interpreted):
     assert worst < 1e-5, worst
 
 
+_TRACED = r"""
+import torch
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_op, fp8_linear, quantize_act
+from sglang_dsv4.quant import quantize_fp8_blockwise
+torch.manual_seed(0)
+mk = lambda n, k: Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k) * k ** -0.5))
+worst = 0
+# 1 split, then 4, 2 and 4 splits (fp8_linear.split_k): the traced GEMM returns the partials
+for M, N, K in [(1, 128, 128), (2, 512, 2048), (5, 300, 1000), (17, 256, 2048)]:
+    w = mk(N, K)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(M, K).to(dtype)
+        f = lambda x: fp8_linear(x * 2, w) + 1
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)  # fullgraph: no graph break
+        want = f(x)  # eager: the kernel's own split-K sum
+        if dtype == torch.float32:
+            worst += int(not torch.equal(got, want))
+        else:  # the interpreter truncates a bf16 store (the GPU rounds: test_fp8_gpu): an ulp or two
+            worst += int(not ((got.float() - want.float()).abs() <= (want.float().abs() + 1) * 2 ** -6).all())
+        q, s = quantize_act(x)
+        for sum_splits in (True, False):  # the op's shape function against its launch
+            torch.library.opcheck(fp8_gemm_op, (q, s, w.q, w.scale, dtype), dict(sum_splits=sum_splits),
+                                  test_utils=("test_faketensor",))
+print("WORST", worst)
+"""
+
+
+def test_a_traced_fp8_linear_runs_the_kernel_without_a_graph_break(triton_interpreted):
+    """Traced (``core.compiled``'s regions), ``fp8_linear`` reaches the kernel through the
+    ``sglang_dsv4::fp8_gemm`` op: one graph around it, the eager result's bits (the region adds
+    the split-K partials in the sum kernel's order), and the op's shape function gives the
+    launch's output for split and unsplit GEMMs."""
+    assert triton_interpreted(_TRACED) == 0
+
+
 def test_fp8_needs_tp_cuts_on_scale_blocks():
     """TP cuts wq_b by heads and wo_b by output groups: where a rank's share is not a multiple of
     128 (micro at TP 2: 160 rows), fp8 is refused by name and auto takes bf16; V4-Flash splits."""
