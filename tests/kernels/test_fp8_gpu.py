@@ -119,7 +119,7 @@ def test_a_traced_fp8_linear_adds_the_split_k_partials_to_the_same_bits(m):
     x = torch.randn(m, 4096, generator=g, device=DEV)
     q, s = fp8_linear_mod.quantize_act.eager(x)
     assert fp8_linear_mod.fp8_gemm(q, s, w, x.dtype, sum_splits=False).dim() == 3
-    traced = torch.compile(lambda a: fp8_linear(a, w) * 2.0)(x)
+    traced = torch.compile(lambda a: fp8_linear(a, w) * 2.0, fullgraph=True)(x)  # no graph break
     assert torch.equal(traced, fp8_linear(x, w) * 2.0)
 
 
