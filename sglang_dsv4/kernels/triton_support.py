@@ -4,7 +4,6 @@ Each kernel module is imported on first use (the core imports no triton until a 
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 
@@ -13,15 +12,22 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+_IMPORTABLE: dict[str, bool] = {}
+
+
+# a constant of the process: a traced region (core.compiled) takes the answer as a constant rather
+# than tracing into importlib, which Dynamo skips with a graph break (count_step_ops --regions)
+@torch.compiler.assume_constant_result
 def importable(module: str) -> bool:
     """Whether the kernel module ``sglang_dsv4.kernels.<module>`` imports here (triton present and
-    initialising)."""
-    try:
-        importlib.import_module(f"{__package__}.{module}")
-    except Exception:  # ImportError, or triton failing to initialise
-        return False
-    return True
+    initialising); tried once a process."""
+    if module not in _IMPORTABLE:
+        try:
+            importlib.import_module(f"{__package__}.{module}")
+            _IMPORTABLE[module] = True
+        except Exception:  # ImportError, or triton failing to initialise
+            _IMPORTABLE[module] = False
+    return _IMPORTABLE[module]
 
 
 def runs_on(t: torch.Tensor, module: str) -> bool:
