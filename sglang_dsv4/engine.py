@@ -11,11 +11,13 @@ default arguments; keyword arguments override them.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
 
 from .launch_server import CPU_DEFAULTS, SHIM_DIR, TINY_PRESETS, cache_dir, cpu_environment
+from .srt.pool_sizing import OVERLAP_KEY
 
 
 def make_engine(model_path: str = "micro", **kwargs: Any):
@@ -31,7 +33,10 @@ def make_engine(model_path: str = "micro", **kwargs: Any):
             raise RuntimeError("make_engine must run before sglang is imported (CPU set-up)")
         os.environ.update(cpu_environment(dict(os.environ)))
         sys.path.insert(0, str(SHIM_DIR))
-        kwargs = {**CPU_DEFAULTS, **kwargs}
+        defaults = dict(CPU_DEFAULTS)
+        if json.loads(kwargs.get("json_model_override_args") or "{}").get(OVERLAP_KEY):
+            defaults.pop("disable_overlap_schedule")  # asked for: not turned off again here
+        kwargs = {**defaults, **kwargs}
     import sglang as sgl
 
     return sgl.Engine(model_path=model_path, **kwargs)

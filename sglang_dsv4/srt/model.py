@@ -151,7 +151,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 return self.logits_processor(input_ids, hidden, self.lm_head, fb)
         # the scheduler's host copy of the rows when it has one (no device-to-host sync per step);
         # the host work below is whole-list operations: a decode step's host cost is on the
-        # critical path (no overlap scheduling, patches/server-arg-overrides.md)
+        # critical path unless SGLang's overlap scheduler runs (patches/server-arg-overrides.md)
         rows_cpu = getattr(fb, "req_pool_indices_cpu", None)
         rows_t = rows_cpu if rows_cpu is not None else fb.req_pool_indices.cpu()
         rows = rows_t.tolist()

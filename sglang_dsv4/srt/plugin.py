@@ -87,9 +87,8 @@ def _dp_padding_fill_value() -> None:
 def _register_model_override() -> None:
     """Replace upstream's V4 server-arg overrides (dsv4 backend, page 256, SWA ratio) with ours:
     an ordinary full-attention pool of page size 1 (token-granular prefix matches); no overlap
-    scheduling (it runs a request's next decode step before its finish is published, so the
-    state at the finish point, the next turn's resume point, would be gone when it is wanted);
-    and SGLang's attention backend set to torch_native: our model runs its own attention (FlashMLA
+    scheduling unless ``dsv4_overlap_schedule`` asks for it (patches/server-arg-overrides.md: exact
+    on the CPU, not yet measured on the GPU); and SGLang's attention backend set to torch_native: our model runs its own attention (FlashMLA
     or torch, ``kernels/``), so SGLang's backend is never called, and torch_native allocates no
     workspace and turns CUDA graph capture off (our cache's per-request work is host-side Python
     that a graph cannot replay)."""
@@ -100,8 +99,21 @@ def _register_model_override() -> None:
 
     @register_model_override(ARCH)
     def _dsv4_overrides(server_args, hf_config) -> dict:
-        return {"disable_hybrid_swa_memory": True, "page_size": 1, "disable_overlap_schedule": True,
-                "attention_backend": "torch_native"}
+        overrides = {"disable_hybrid_swa_memory": True, "page_size": 1, "attention_backend": "torch_native"}
+        if not _overlap_requested(server_args):
+            overrides["disable_overlap_schedule"] = True
+        return overrides
+
+
+def _overlap_requested(server_args) -> bool:
+    """``dsv4_overlap_schedule`` in ``--json-model-override-args``: SGLang's overlap scheduler
+    stays as its own flags set it (``--disable-overlap-schedule`` still turns it off)."""
+    import json
+
+    from .pool_sizing import OVERLAP_KEY
+
+    raw = getattr(server_args, "json_model_override_args", None) or "{}"
+    return bool(json.loads(raw).get(OVERLAP_KEY, False))
 
 
 def _skip_v4_defaults(original, server_args, model_arch, *args, **kwargs):

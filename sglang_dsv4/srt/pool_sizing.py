@@ -31,6 +31,7 @@ ATTENTION_BACKEND_KEY = "dsv4_attention_backend"  # likewise: auto | torch | tor
 CUDA_GRAPH_MAX_BS_KEY = "dsv4_cuda_graph_max_bs"  # likewise: decode graphs up to this batch; 0 = off
 WEIGHTS_KEY = _WEIGHTS_KEY  # likewise: auto | bf16 | fp8 (kernels.weight_mode)
 DETERMINISTIC_KEY = "dsv4_deterministic"  # likewise: true = V4Model's deterministic mode
+OVERLAP_KEY = "dsv4_overlap_schedule"  # likewise: true = SGLang's overlap scheduler left on
 ENTRY_PAGE_ROWS = 64  # rows per storage page of the cache's entry pools (FlashMLA's paged layout)
 ENTRY_SIDE_TABLE_BYTES = 2 * 4  # per token slot: one int32 entry row per ratio (state.entry_of_slot)
 

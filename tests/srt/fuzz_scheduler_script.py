@@ -9,6 +9,8 @@ that decode steps between them stay cheap: the model pads a batch to its longest
 and our deterministic mode (``dsv4_deterministic``, ``core.model``): on the CPU it must change
 no output, so it goes through the scheduler here too (steps cut into 64-row pieces, also between
 fork points).
+A runs SGLang's overlap scheduler (``dsv4_overlap_schedule``; ``SGLANG_DSV4_FUZZ_OVERLAP=0``
+turns it off): step N+1 launched before step N's results are processed.
 Engine B, the reference: ``disable_radix_cache=True`` and a large pool. Both run with SGLang's own
 strict self-checks (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`` / ``_IDLE``), under which our
 plugin runs the cache's integrity check after every forward step and at idle
@@ -42,12 +44,14 @@ from dataclasses import dataclass, field
 
 SEED = int(os.environ.get("SGLANG_DSV4_FUZZ_SEED", "0"))
 NUM_OPS = int(os.environ.get("SGLANG_DSV4_FUZZ_OPS", "10000"))
+OVERLAP = os.environ.get("SGLANG_DSV4_FUZZ_OVERLAP", "1") == "1"  # A under SGLang's overlap scheduler
 
 ENGINE_A = dict(max_total_tokens=6144, max_running_requests=64, chunked_prefill_size=128,
                 enable_mixed_chunk=True, prefill_decode_interval=2, schedule_policy="fcfs",
                 schedule_conservativeness=0.3,  # admit optimistically: long decodes outgrow the pool
                 json_model_override_args=json.dumps({"dsv4_snapshot_budget_mb": 48,  # ~200 snapshots
-                                                     "dsv4_deterministic": True}))
+                                                     "dsv4_deterministic": True,
+                                                     "dsv4_overlap_schedule": OVERLAP}))
 ENGINE_B = dict(disable_radix_cache=True, max_total_tokens=32768, max_running_requests=64,
                 chunked_prefill_size=256)
 A_INFLIGHT = 72  # requests in flight on A: a few more than it runs at once (aborts while queued)
@@ -414,6 +418,7 @@ def main() -> int:
     # tell retractions for memory from any other kind
     a = make_engine("micro", **ENGINE_A, log_level="warning", skip_tokenizer_init=True)
     b = make_engine("micro", **ENGINE_B, log_level="error", skip_tokenizer_init=True)
+    overlap = not a.server_args.disable_overlap_schedule  # what A's scheduler really runs
     cpu0 = cpu_seconds(a), cpu_seconds(b), time.process_time()
     started = time.time()
     fuzz = Fuzz(plan, a, b)
@@ -433,7 +438,7 @@ def main() -> int:
           f"reference requests {len(fuzz.reference)}; mismatches {len(fuzz.mismatches)}; "
           f"CPU during the workload: engine A {cpu[0]:.1f} s, engine B {cpu[1]:.1f} s, "
           f"this process {time.process_time() - cpu0[2]:.1f} s")
-    print("RESULT " + json.dumps({"seed": SEED, "ops": fuzz.counts, "events": fuzz.events, "cache_on": on,
+    print("RESULT " + json.dumps({"seed": SEED, "overlap_schedule": overlap, "ops": fuzz.counts, "events": fuzz.events, "cache_on": on,
                                   "cache_off": off, "mismatches": fuzz.mismatches[:5]}), flush=True)
     return 1 if fuzz.mismatches else 0
 

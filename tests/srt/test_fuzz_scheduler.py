@@ -52,6 +52,7 @@ def test_fuzz_through_the_scheduler_matches_cache_off_with_checks_after_every_st
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     ops, events, on, off = result["ops"], result["events"], result["cache_on"], result["cache_off"]
     assert sum(ops.values()) >= num_ops and not result["mismatches"]
+    assert result["overlap_schedule"] == (os.environ.get("SGLANG_DSV4_FUZZ_OVERLAP", "1") == "1")
     assert events["outputs_checked"] >= num_ops // 2, events
     # the integrity check ran after every forward step (SGLang's busy check) and never failed
     for engine in (on, off):

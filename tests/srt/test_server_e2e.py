@@ -68,8 +68,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
-    def generate(self, ids: list[int], max_new_tokens: int = 10, **extra) -> dict:
-        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}, **extra}
+    def generate(self, ids: list[int], max_new_tokens: int = 10, stop_token_ids: list[int] | None = None,
+                 **extra) -> dict:
+        sampling = {"temperature": 0, "max_new_tokens": max_new_tokens}
+        if stop_token_ids:
+            sampling["stop_token_ids"] = stop_token_ids
+        body = {"input_ids": ids, "sampling_params": sampling, **extra}
         r = requests.post(self.url + "/generate", json=body, timeout=300)
         r.raise_for_status()
         return r.json()
@@ -101,9 +105,11 @@ def running_servers(log_dir: Path, *configs: tuple[str, list[str], int | None]) 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    # A small snapshot budget (about 8 micro snapshots) so the LRU evicts during the module.
+    # A small snapshot budget (about 8 micro snapshots) so the LRU evicts during the module; the
+    # cache-on server runs SGLang's overlap scheduler, so every comparison here checks it too.
     with running_servers(tmp_path_factory.mktemp("servers"),
-                         ("cache_on", ["--enable-metrics", "--dsv4-snapshot-budget-mb", "2"], None),
+                         ("cache_on", ["--enable-metrics", "--dsv4-snapshot-budget-mb", "2",
+                                       "--dsv4-overlap-schedule"], None),
                          ("cache_off", ["--disable-radix-cache"], None)) as started:
         yield started
 
@@ -120,6 +126,9 @@ def test_startup_states_the_cache_budgets(servers):
     # SGLang sized its token pool by our plan and kept no generic KV storage for the model
     log = on.log()
     assert "sglang_dsv4 pool plan for" in log and "KV Cache skipped (no-op pool)" in log
+    # the overlap scheduler runs where it was asked for, and only there
+    assert "'disable_overlap_schedule': False" in log
+    assert "'disable_overlap_schedule': True" in servers[1].log()
 
 
 def test_multi_turn_chat_hits_whole_history_and_matches_cache_off(servers):
@@ -141,6 +150,26 @@ def test_multi_turn_chat_hits_whole_history_and_matches_cache_off(servers):
         expected_cached = len(history_on) + len(a["output_ids"]) - 1
         history_on += a["output_ids"]
         history_off += b["output_ids"]
+
+
+def test_a_stop_token_finish_is_resumed_after_its_stop_token(servers):
+    """Under overlap scheduling the step after a stop-token finish has already fed the stop token;
+    SGLang publishes it, and the finish snapshot is taken there (a length finish is left out of
+    that step: the multi-turn test above). The next turn resumes after the stop token, exactly."""
+    on, off = servers
+    rng = random.Random(3)
+    history = [0] + _tokens(rng, 120)
+    expected_cached = None
+    for turn in range(3):
+        history += _tokens(rng, 7)
+        stop = off.generate(history, max_new_tokens=12)["output_ids"][4]  # greedy reaches it by token 5
+        a, b = on.generate(history, 12, [stop]), off.generate(history, 12, [stop])
+        assert a["output_ids"] == b["output_ids"], f"turn {turn}: cache on/off outputs differ"
+        assert a["meta_info"]["finish_reason"]["type"] == "stop" and a["output_ids"][-1] == stop
+        if expected_cached is not None:
+            assert a["meta_info"]["cached_tokens"] == expected_cached, f"turn {turn}"
+        expected_cached = len(history) + len(a["output_ids"])
+        history += a["output_ids"]
 
 
 def test_shared_system_prompt_divergence_points_are_hit_exactly(servers):
