@@ -50,17 +50,9 @@ from sglang_dsv4.kernels.kv_layout import V4_TOKEN_BYTES
 from sglang_dsv4.srt.state import SglangV4Cache
 from sglang_dsv4.tiny import PRESETS
 
-FLASH_LAYERS = {  # V4-Flash dimensions (the V4Config defaults), cut in depth and experts to fit
-    "flash8": dict(num_hidden_layers=8, compress_ratios=[0, 0, 4, 128, 4, 128, 4, 128, 0], n_routed_experts=32),
-    "flash43": dict(num_hidden_layers=43, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], n_routed_experts=8),
-}
-
 
 def make_config(name: str, max_len: int) -> V4Config:
-    if name in PRESETS:
-        d = dict(PRESETS[name])
-    else:
-        d = dict(FLASH_LAYERS[name], num_nextn_predict_layers=1)
+    d = dict(PRESETS[name])  # micro / tiny, or V4-Flash dimensions cut in depth (tiny.FLASH_PRESETS)
     d["max_position_embeddings"] = max(max_len, d.get("max_position_embeddings", 0))
     d.pop("quantization_config", None)
     return V4Config.from_dict(d)

@@ -8,10 +8,13 @@
 # and flashinfer are not carried: the pure-torch sgl_kernel stand-in (sglang_dsv4/srt/cpu_shim) takes
 # their place, so the server runs with torch-native attention/sampling and no CUDA graphs; our model
 # does its own attention (FlashMLA, from .whl). Without CUDA (a local dry run) it serves on the CPU.
+# PRESET=flash8 serves V4-Flash dimensions cut to 8 layers (sglang_dsv4.tiny.FLASH_PRESETS; its 6.9 GiB
+# checkpoint is written on the GPU first) instead of tiny. SERVER_ARGS go to the server, e.g.
+#   SERVER_ARGS='--json-model-override-args {"dsv4_overlap_schedule":true}' (the overlap scheduler).
 # Exit status: 0 when the server came up and every check below passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}; PORT=${PORT:-30000}; MODEL=${MODEL:-/tmp/tiny}; SITE=/tmp/srt-site
+OUT=${OUT:-$PWD/out}; PORT=${PORT:-30000}; PRESET=${PRESET:-tiny}; MODEL=${MODEL:-/tmp/$PRESET}; SITE=/tmp/srt-site
 mkdir -p "$OUT" "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -c "import tarfile; tarfile.open('.srt-site/site.tar.xz').extractall('$SITE', filter='data')" || exit 1
@@ -34,7 +37,7 @@ if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; th
 fi
 python3 -c "import sys, torch, transformers, sglang; print('python', sys.version.split()[0], '| torch', torch.__version__,
   '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__, '| sglang', sglang.__version__)"
-[ -f "$MODEL/config.json" ] || python3 -m sglang_dsv4.tiny --preset tiny --seed 0 --out "$MODEL" || exit 1
+[ -f "$MODEL/config.json" ] || python3 -m sglang_dsv4.tiny --preset "$PRESET" --seed 0 --out "$MODEL" || exit 1
 
 python3 -m sglang.launch_server --model-path "$MODEL" --port "$PORT" \
   --sampling-backend pytorch --mem-fraction-static 0.5 "${EXTRA[@]}" ${SERVER_ARGS:-} >"$OUT/server.log" 2>&1 &

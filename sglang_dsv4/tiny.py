@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .checkpoint.schema import Storage, TensorSpec, checkpoint_tensors
-from .checkpoint.writer import V4_QUANTIZATION_CONFIG, write_checkpoint
+from .checkpoint.writer import V4_QUANTIZATION_CONFIG, write_checkpoint, write_random_checkpoint
 from .config import V4Config
 from .tokenizer_files import write_tokenizer_files
 
@@ -78,6 +78,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 65536,
     },
 }
+# V4-Flash dimensions (the V4Config defaults: 4096 hidden, 64 heads of 512, 256-wide experts of
+# 2048, top-6), cut in depth and routed experts to fit one GPU: the decode benchmarks' models and
+# the GPU server sweep's. Written by ``write_random_checkpoint`` (made on the GPU when there is
+# one; another device gives other random weights for the same seed).
+FLASH_PRESETS: dict[str, dict[str, Any]] = {
+    "flash8": dict(num_hidden_layers=8, compress_ratios=[0, 0, 4, 128, 4, 128, 4, 128, 0], n_routed_experts=32,
+                   num_nextn_predict_layers=1),
+    "flash43": dict(num_hidden_layers=43, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], n_routed_experts=8,
+                    num_nextn_predict_layers=1),
+}
+PRESETS.update(FLASH_PRESETS)
 
 
 def preset_config(preset: str) -> V4Config:
@@ -126,7 +137,10 @@ def build_tiny(preset: str, seed: int, out_dir: str | Path) -> Path:
     """Write the ``preset`` checkpoint with weights from ``seed`` (plus tokenizer files) to ``out_dir``."""
     cfg = preset_config(preset)
     out = Path(out_dir)
-    write_checkpoint(cfg, random_weights(cfg, seed), out)
+    if preset in FLASH_PRESETS:  # gigabytes: streamed, made on the GPU when there is one
+        write_random_checkpoint(cfg, out, "cuda" if torch.cuda.is_available() else "cpu", seed)
+    else:
+        write_checkpoint(cfg, random_weights(cfg, seed), out)
     write_tokenizer_files(out)
     return out
 

@@ -32,6 +32,11 @@ def test_presets_are_valid_configs() -> None:
     assert micro.hc_mult == 4 and micro.routed_scaling_factor == 1.5 and micro.expert_dtype == "fp4"
     with pytest.raises(ValueError, match="unknown preset"):
         tiny.preset_config("huge")
+    # V4-Flash dimensions cut in depth and experts (built only where there is room: on the GPU)
+    flash8, flash43 = tiny.preset_config("flash8"), tiny.preset_config("flash43")
+    assert (flash8.num_hidden_layers, flash8.n_routed_experts, flash8.hidden_size) == (8, 32, 4096)
+    assert (flash43.num_hidden_layers, flash43.n_routed_experts) == (43, 8)
+    flash8.check_flashmla()
 
 
 def test_same_seed_same_bytes(micro0: Path, tmp_path: Path) -> None:

@@ -157,6 +157,63 @@ def config_json(cfg: V4Config) -> dict:
     return d
 
 
+def _empty_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_FILE)
+    if existing:
+        raise CheckpointError(f"{out} already holds checkpoint files ({', '.join(existing[:3])}); "
+                              "write into an empty directory")
+    return out
+
+
+def _shard_plan(specs: list[TensorSpec], max_shard_bytes: int | None) -> list[list[TensorSpec]]:
+    if max_shard_bytes is None:
+        total = sum(_stored_bytes(s) for s in specs)
+        max_shard_bytes = min(MAX_SHARD_BYTES, max(1, math.ceil(total / TARGET_SHARDS)))
+    return _plan_shards(specs, max_shard_bytes)
+
+
+def _write_shards(cfg: V4Config, out: Path, shards: Iterator[tuple[list[TensorSpec], dict[str, torch.Tensor]]],
+                  num_shards: int) -> Path:
+    """Write each shard's stored tensors as it comes, then the index and config.json."""
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for i, (shard_specs, stored) in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{num_shards:05d}.safetensors"
+        save_file(stored, str(out / fname), metadata={"format": "pt"})
+        (out / fname).chmod(0o644)  # safetensors creates files owner-only; checkpoints are shared
+        total_size += sum(t.numel() * t.element_size() for t in stored.values())
+        weight_map.update({name: fname for spec in shard_specs for name in spec.stored_shapes()})
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(config_json(cfg), indent=2) + "\n")
+    return out
+
+
+def write_random_checkpoint(cfg: V4Config, out_dir: str | Path, device: torch.device | str = "cpu",
+                            seed: int = 0, max_shard_bytes: int | None = None) -> Path:
+    """Write a random-weight checkpoint of ``cfg`` to ``out_dir``: ``random_stored``'s tensors (made
+    and quantised on ``device``), one shard in memory at a time, so a V4-Flash-sized checkpoint
+    never holds its logical float weights at once. Returns ``out_dir``."""
+    cfg.validate()
+    out = _empty_dir(out_dir)
+    plan = _shard_plan(checkpoint_tensors(cfg), max_shard_bytes)
+    stream = random_stored(cfg, device, seed)
+
+    def shards():
+        for shard_specs in plan:
+            stored = {}
+            for expected in (n for spec in shard_specs for n in spec.stored_shapes()):
+                name, t = next(stream)
+                if name != expected:  # random_stored walks the schema in the same order
+                    raise CheckpointError(f"write_random_checkpoint: got {name}, expected {expected}")
+                stored[name] = t.to("cpu").contiguous()
+            yield shard_specs, stored
+
+    return _write_shards(cfg, out, shards(), len(plan))
+
+
 def write_checkpoint(cfg: V4Config, tensors: dict[str, torch.Tensor], out_dir: str | Path,
                      max_shard_bytes: int | None = None) -> Path:
     """Quantise the logical ``tensors`` of ``cfg`` and write a sharded checkpoint to ``out_dir``.
@@ -178,29 +235,7 @@ def write_checkpoint(cfg: V4Config, tensors: dict[str, torch.Tensor], out_dir: s
             parts.append(f"{len(extra)} tensor(s) not in the schema, e.g. {', '.join(extra[:5])}")
         raise CheckpointError("write_checkpoint: " + "; ".join(parts))
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX_FILE)
-    if existing:
-        raise CheckpointError(f"{out} already holds checkpoint files ({', '.join(existing[:3])}); "
-                              "write into an empty directory")
-
-    if max_shard_bytes is None:
-        total = sum(_stored_bytes(s) for s in specs)
-        max_shard_bytes = min(MAX_SHARD_BYTES, max(1, math.ceil(total / TARGET_SHARDS)))
-    plan = _plan_shards(specs, max_shard_bytes)
-    n = len(plan)
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for i, shard_specs in enumerate(plan, start=1):
-        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        stored = _quantize_shard(shard_specs, tensors)
-        save_file(stored, str(out / fname), metadata={"format": "pt"})
-        (out / fname).chmod(0o644)  # safetensors creates files owner-only; checkpoints are shared
-        total_size += sum(t.numel() * t.element_size() for t in stored.values())
-        weight_map.update({name: fname for spec in shard_specs for name in spec.stored_shapes()})
-
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(config_json(cfg), indent=2) + "\n")
-    return out
+    out = _empty_dir(out_dir)
+    plan = _shard_plan(specs, max_shard_bytes)
+    return _write_shards(cfg, out, ((shard_specs, _quantize_shard(shard_specs, tensors)) for shard_specs in plan),
+                         len(plan))

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from sglang_dsv4.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
 from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
+from sglang_dsv4.checkpoint.writer import random_stored, write_random_checkpoint
 from sglang_dsv4.config import ConfigError
 from sglang_dsv4.quant import (dequantize_fp4_packed, dequantize_fp8_blockwise, quantize_fp4_packed,
                                quantize_fp8_blockwise)
@@ -145,6 +146,26 @@ def test_single_file_layout(micro: tuple[Path, dict], tmp_path: Path) -> None:
     full = load_checkpoint(src, names=["layers.2.ffn.experts.0.w2.weight", "mtp.0.e_proj.weight"])
     for k, v in full.tensors.items():
         assert torch.equal(single.tensors[k], v)
+
+
+def test_random_checkpoint_streams_random_stored_into_a_valid_checkpoint(tmp_path: Path) -> None:
+    """The flash presets' writer: random_stored's tensors, shard by shard, a checkpoint the loader
+    validates in full; the bytes are random_stored's own."""
+    cfg = preset_config("micro")
+    out = write_random_checkpoint(cfg, tmp_path / "random", seed=3)
+    assert len(list(out.glob("model-*.safetensors"))) >= 2
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == cfg.num_hidden_layers
+    loaded = load_checkpoint(out)  # every tensor: names, shapes, stored dtypes
+    assert set(loaded.tensors) == {s.name for s in checkpoint_tensors(cfg)}
+    stored = dict(random_stored(cfg, "cpu", seed=3))
+    on_disk = {}
+    for shard in sorted(set(_weight_map(out).values())):
+        on_disk.update(load_file(str(out / shard)))
+    assert set(on_disk) == set(stored)
+    for name in ("layers.1.ffn.experts.0.w1.weight", "layers.1.ffn.experts.0.w1.scale", "embed.weight"):
+        assert torch.equal(on_disk[name].view(torch.uint8), stored[name].view(torch.uint8)), name
+    with pytest.raises(CheckpointError, match="already holds checkpoint files"):
+        write_random_checkpoint(cfg, out)
 
 
 def test_writer_rejects_bad_input(tmp_path: Path) -> None:
