@@ -15,7 +15,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; PORT=${PORT:-30000}; PRESET=${PRESET:-tiny}; MODEL=${MODEL:-/tmp/$PRESET}; SITE=/tmp/srt-site
+export OUT SWEEP_LABEL=${SWEEP_LABEL:-server}; LOG=$OUT/server_$SWEEP_LABEL.log  # one log per labelled server
 mkdir -p "$OUT" "$SITE"
+if python3 -c "import sglang, sglang_dsv4" 2>/dev/null; then
+  SITE=/nonexistent  # a local dry run in this project's venv: its own SGLang and entry point
+else
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -c "import tarfile; tarfile.open('.srt-site/site.tar.xz').extractall('$SITE', filter='data')" || exit 1
 # Our plugin's entry point (group sglang.srt.plugins), as pip would install it from pyproject.toml.
@@ -27,35 +31,36 @@ d = pathlib.Path(sys.argv[1], f"sglang_dsv4-{p['version']}.dist-info"); d.mkdir(
 (d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
                                             for g, eps in p["entry-points"].items()))
 EOF
+fi
 export PYTHONPATH=/tmp/site:$SITE:$PWD/sglang_dsv4/srt/cpu_shim:$PWD
 # No sglang-kernel distribution here (the stand-in has none); the device cannot reach the HF Hub.
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 EXTRA=()
 if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   export SGLANG_USE_CPU_ENGINE=1   # local dry run: patches/cpu-launcher.md
-  EXTRA=(--device cpu --dtype float32 --max-total-tokens 65536 --disable-overlap-schedule)
+  EXTRA=(--device cpu --dtype float32 --max-total-tokens 65536)  # overlap: off unless asked (our plugin)
 fi
 python3 -c "import sys, torch, transformers, sglang; print('python', sys.version.split()[0], '| torch', torch.__version__,
   '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__, '| sglang', sglang.__version__)"
 [ -f "$MODEL/config.json" ] || python3 -m sglang_dsv4.tiny --preset "$PRESET" --seed 0 --out "$MODEL" || exit 1
 
 python3 -m sglang.launch_server --model-path "$MODEL" --port "$PORT" \
-  --sampling-backend pytorch --mem-fraction-static 0.5 "${EXTRA[@]}" ${SERVER_ARGS:-} >"$OUT/server.log" 2>&1 &
+  --sampling-backend pytorch --mem-fraction-static 0.5 "${EXTRA[@]}" ${SERVER_ARGS:-} >"$LOG" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 # SERVER_ARGS: more server arguments; SWEEP / SWEEP_LABEL: a throughput sweep after the checks
 healthy() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2>/dev/null; }
 for _ in $(seq 300); do
   healthy && break
-  kill -0 $SERVER 2>/dev/null || { echo "server exited; log tail:"; tail -40 "$OUT/server.log"; exit 1; }
+  kill -0 $SERVER 2>/dev/null || { echo "server exited; log tail:"; tail -40 "$LOG"; exit 1; }
   sleep 1
 done
-healthy || { echo "no /health after 300 s"; tail -40 "$OUT/server.log"; exit 1; }
+healthy || { echo "no /health after 300 s"; tail -40 "$LOG"; exit 1; }
 echo "--- server up"
-grep -E "Executed general plugin|sglang_dsv4|attention backend|Tree cache|[Cc]uda graph|Load weight end" "$OUT/server.log" | cut -c1-400
+grep -E "Executed general plugin|sglang_dsv4|attention backend|Tree cache|[Cc]uda graph|Load weight end" "$LOG" | cut -c1-400
 
 python3 - "$PORT" "$MODEL" <<'EOF'
-import json, sys, urllib.request
+import json, os, sys, urllib.request
 from tokenizers import Tokenizer
 port, model = sys.argv[1:]
 
@@ -64,8 +69,9 @@ def post(path, body):
                                  {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=300))
 
-def generate(ids):
-    r = post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+def generate(ids, stop=None):
+    sampling = {"max_new_tokens": 16, "temperature": 0, **({"stop_token_ids": [stop]} if stop is not None else {})}
+    r = post("/generate", {"input_ids": ids, "sampling_params": sampling})
     m = r["meta_info"]
     print(f"  prompt_tokens={m['prompt_tokens']} cached_tokens={m['cached_tokens']} "
           f"e2e={m['e2e_latency']:.3f}s text={r['text']!r}")
@@ -100,7 +106,24 @@ urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_ca
 g = generate(ids)
 print("INFO third repeat == second:", e["output_ids"] == b["output_ids"], "| cold after flush == first:",
       f["output_ids"] == a["output_ids"], "| cold twice equal:", f["output_ids"] == g["output_ids"])
+# a stop-token finish (under overlap scheduling the step after it has fed the stop token, and
+# the finish snapshot is taken one token further: patches/server-arg-overrides.md), resumed, then cold
+flush = lambda: urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST"), timeout=60)
+print("/generate with a stop token from the first answer, its next turn, the next turn cold:")
+s = generate(ids, stop=a["output_ids"][4])
+t = generate(ids + s["output_ids"] + ids[:8])
+flush()
+u = generate(ids + s["output_ids"] + ids[:8])
+label = os.environ.get("SWEEP_LABEL", "server")
+with open(os.path.join(os.environ.get("OUT", "."), f"check_{label}.json"), "w") as fh:  # for an A/B of two servers
+    json.dump({k: v["output_ids"] for k, v in dict(a=a, b=b, c=c, d=d, e=e, f=f, g=g, s=s, t=t, u=u).items()}, fh)
 checks = {
+          "a stop-token finish stops on it": s["meta_info"]["finish_reason"]["type"] == "stop"
+              and s["output_ids"][-1] == a["output_ids"][4],
+          "its next turn resumes at its finish (cached = prompt + output - 1, or + output with overlap)":
+              t["meta_info"]["cached_tokens"] - (len(ids) + len(s["output_ids"]) - 1) in (0, 1),
+          "that resumed turn == the same prompt cold": t["output_ids"] == u["output_ids"]
+              and u["meta_info"]["cached_tokens"] == 0,
           # (a stop-token finish under overlap scheduling is cached through its stop token)
           "next turn resumes at the first turn's finish (cached = prompt + output - 1)":
               c["meta_info"]["cached_tokens"] - (len(ids) + len(a["output_ids"]) - 1)
@@ -116,7 +139,7 @@ rc=$?
 if [ -n "${SWEEP:-}" ]; then  # e.g. SWEEP="--concurrency 1,8,64": throughput at those concurrencies
   echo "--- sweep (${SWEEP_LABEL:-server})"
   python3 -m benchmarks.serve_sweep --port "$PORT" --label "${SWEEP_LABEL:-server}" $SWEEP 2>&1 | tee -a "$OUT/sweep.md"
-  grep -E "captured the decode step|CUDA graphs of the decode" "$OUT/server.log" | cut -c1-300 | head -20
+  grep -E "captured the decode step|CUDA graphs of the decode" "$LOG" | cut -c1-300 | head -20
 fi
-echo "--- server log: $OUT/server.log; exit status $rc"
+echo "--- server log: $LOG; exit status $rc"
 exit $rc
