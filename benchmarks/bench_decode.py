@@ -48,10 +48,14 @@ from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.kernels.fp8_linear import weight_nbytes
 from sglang_dsv4.kernels.kv_layout import V4_TOKEN_BYTES
 from sglang_dsv4.srt.state import SglangV4Cache
+from sglang_dsv4 import tiny
 from sglang_dsv4.tiny import PRESETS
 
 
 def make_config(name: str, max_len: int) -> V4Config:
+    if name not in PRESETS:  # e.g. a .bench-prev package from before tiny.FLASH_PRESETS (16a5e12)
+        raise SystemExit(f"unknown config {name!r}: the package at {Path(tiny.__file__).parent} has "
+                         f"{', '.join(PRESETS)}")
     d = dict(PRESETS[name])  # micro / tiny, or V4-Flash dimensions cut in depth (tiny.FLASH_PRESETS)
     d["max_position_embeddings"] = max(max_len, d.get("max_position_embeddings", 0))
     d.pop("quantization_config", None)
