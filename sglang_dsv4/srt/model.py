@@ -149,11 +149,14 @@ class DeepseekV4ForCausalLM(nn.Module):
                 self.core.serve_other_ranks()
                 hidden = input_ids.new_zeros((input_ids.shape[0], self.v4.hidden_size), dtype=self.lm_head.weight.dtype)
                 return self.logits_processor(input_ids, hidden, self.lm_head, fb)
-        # the scheduler's host copy of the rows when it has one (no device-to-host sync per step);
-        # the host work below is whole-list operations: a decode step's host cost is on the
-        # critical path unless SGLang's overlap scheduler runs (patches/server-arg-overrides.md)
-        rows_cpu = getattr(fb, "req_pool_indices_cpu", None)
-        rows_t = rows_cpu if rows_cpu is not None else fb.req_pool_indices.cpu()
+        # the scheduler's host copy of the rows (SGLang's for extends, plugin._decode_rows_on_the_host's
+        # for decodes): no device-to-host sync per step; the host work below is whole-list
+        # operations: a decode step's host cost is on the critical path unless SGLang's overlap
+        # scheduler runs (patches/server-arg-overrides.md)
+        rows_t = getattr(fb, "req_pool_indices_cpu", None)
+        if rows_t is None:
+            rows_t = fb.req_pool_indices.cpu()  # waits for the device (the step before, under overlap)
+            cache.stats["rows_read_back"] += 1
         rows = rows_t.tolist()
         generations = self.req_generation[rows_t.long()].tolist()  # a host tensor: one gather
         if mode.is_extend():

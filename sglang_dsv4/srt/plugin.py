@@ -49,6 +49,8 @@ def register() -> None:
         _after_memory_pools, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
                           _after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+                          _decode_rows_on_the_host, HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_req_pool",
         _after_idle_pool_check, HookType.AFTER)
@@ -217,6 +219,22 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
             for position in getattr(req, FORK_ATTR, None) or []:
                 cache.want_snapshot(row, int(generations[row]), position)
     return result
+
+
+def _decode_rows_on_the_host(forward_batch, cls, batch, *args, **kwargs):
+    """SGLang gives a forward its request rows on the host for extends only; our model binds each
+    request's state by row before the step, so without them a decode step reads the device tensor
+    back: a host sync, which under the overlap scheduler waits for the step still running. The
+    rows are the batch's requests' own, in its order (``req_pool_indices`` is made from them)."""
+    import torch
+
+    from .state import serving_cache
+
+    if (serving_cache() is not None and getattr(forward_batch, "req_pool_indices_cpu", None) is None
+            and forward_batch.forward_mode.is_decode() and getattr(batch, "reqs", None)):
+        forward_batch.req_pool_indices_cpu = torch.tensor([r.kv.req_pool_idx for r in batch.reqs],
+                                                          dtype=torch.int64)
+    return forward_batch
 
 
 def _after_idle_pool_check(result, checker, *args, **kwargs):

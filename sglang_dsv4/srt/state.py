@@ -156,7 +156,8 @@ class SglangV4Cache:
         self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
                       "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
                       "integrity_checks": 0, "integrity_failures": 0, "tree_tokens_evicted": 0,
-                      "aborts_queued": 0, "aborts_mid_prefill": 0, "aborts_running": 0}
+                      "aborts_queued": 0, "aborts_mid_prefill": 0, "aborts_running": 0,
+                      "rows_read_back": 0}  # forwards whose rows came from the device (a host sync)
         self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
         # changes to the state so far (forward steps, frees, flushes); at the last integrity check
         self._changes, self._checked_at = 0, -1

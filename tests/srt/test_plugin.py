@@ -1,0 +1,49 @@
+"""The plugin's small hooks that need no server: the overlap switch, a decode step's host rows."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_dsv4.srt import plugin, state
+
+
+def _mode(decode: bool):
+    return SimpleNamespace(is_decode=lambda: decode)
+
+
+def _batch(rows: list[int]):
+    return SimpleNamespace(reqs=[SimpleNamespace(kv=SimpleNamespace(req_pool_idx=r)) for r in rows])
+
+
+@pytest.fixture()
+def serving(monkeypatch):
+    monkeypatch.setattr(state, "_SERVING", object())  # a model of ours is served in this process
+
+
+def test_a_decode_forward_gets_its_rows_on_the_host_in_the_batchs_order(serving):
+    fb = SimpleNamespace(forward_mode=_mode(True), req_pool_indices_cpu=None)
+    out = plugin._decode_rows_on_the_host(fb, None, _batch([7, 2, 5]))
+    assert out is fb and fb.req_pool_indices_cpu.tolist() == [7, 2, 5]
+    assert fb.req_pool_indices_cpu.device.type == "cpu"
+
+
+def test_extends_and_other_models_keep_what_sglang_gave(serving, monkeypatch):
+    given = object()
+    fb = SimpleNamespace(forward_mode=_mode(False), req_pool_indices_cpu=None)
+    assert plugin._decode_rows_on_the_host(fb, None, _batch([1])).req_pool_indices_cpu is None
+    fb = SimpleNamespace(forward_mode=_mode(True), req_pool_indices_cpu=given)
+    assert plugin._decode_rows_on_the_host(fb, None, _batch([1])).req_pool_indices_cpu is given
+    fb = SimpleNamespace(forward_mode=_mode(True), req_pool_indices_cpu=None)
+    assert plugin._decode_rows_on_the_host(fb, None, _batch([])).req_pool_indices_cpu is None  # an idle rank
+    monkeypatch.setattr(state, "_SERVING", None)  # not our model
+    assert plugin._decode_rows_on_the_host(fb, None, _batch([1])).req_pool_indices_cpu is None
+
+
+@pytest.mark.parametrize("overrides, on", [(None, False), ({}, False), ({"dsv4_overlap_schedule": True}, True),
+                                           ({"dsv4_overlap_schedule": False, "other": 1}, False)])
+def test_overlap_scheduling_only_when_asked(overrides, on):
+    args = SimpleNamespace(json_model_override_args=None if overrides is None else json.dumps(overrides))
+    assert plugin._overlap_requested(args) is on
