@@ -6,6 +6,8 @@
 #   run(command="PRESET=flash8 SWEEP='--concurrency 1,8,64 --input-len 512 --output-len 64' bash scripts/gpu_overlap_ab.sh",
 #       carry=[".whl", ".srt-site"])
 #
+# SGLANG_DSV4_SYNC_DEBUG=warn in front: torch's sync debug mode around our forwards (srt/model.py),
+# its warnings shown at the end (a short run for that: the mode slows every step a little).
 # $OUT gets server_no_overlap.log, server_overlap.log, check_*.json and sweep.md (both sweeps' tables).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +18,8 @@ SWEEP_LABEL=no_overlap PORT=30000 bash scripts/gpu_server_check.sh || rc=1
 SERVER_ARGS='--json-model-override-args {"dsv4_overlap_schedule":true}' SWEEP_LABEL=overlap PORT=30001 \
   bash scripts/gpu_server_check.sh || rc=1
 grep -o "'disable_overlap_schedule': [A-Za-z]*" "$OUT/server_no_overlap.log" "$OUT/server_overlap.log" | sort -u
+# with SGLANG_DSV4_SYNC_DEBUG=warn in the environment: the host syncs inside our forwards, by site
+grep -h -A2 "called a synchronizing CUDA operation" "$OUT/server_no_overlap.log" "$OUT/server_overlap.log" | head -30
 python3 - "$OUT" <<'PY' || rc=1
 import json, sys
 runs = [json.load(open(f"{sys.argv[1]}/check_{label}.json")) for label in ("no_overlap", "overlap")]

@@ -9,6 +9,7 @@ hidden states to SGLang's LogitsProcessor (sampling, logprobs, grammar masks sta
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterable
 
 import torch
@@ -61,6 +62,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.core: V4Model | None = None
         self.cache: SglangV4Cache | None = None
         self.metrics = None
+        # SGLANG_DSV4_SYNC_DEBUG=warn|error: torch's CUDA sync debug mode around each forward of
+        # ours (the host syncs in our part of a step, where the overlap scheduler would lose them)
+        self.sync_debug = os.environ.get("SGLANG_DSV4_SYNC_DEBUG") or None
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -133,6 +137,15 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ---- forward ----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, *args, **kwargs):
+        if self.sync_debug is None or not torch.cuda.is_available():
+            return self._forward(input_ids, forward_batch)
+        torch.cuda.set_sync_debug_mode(self.sync_debug)
+        try:
+            return self._forward(input_ids, forward_batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def _forward(self, input_ids: torch.Tensor, forward_batch):
         fb = forward_batch
         cache = self.cache
         if cache is None:
