@@ -1,14 +1,16 @@
 """Throughput and latency of a running server at several concurrencies (random token prompts).
 
     python -m benchmarks.serve_sweep --port 30000 [--concurrency 1,8,64] [--input-len 512]
-        [--output-len 64] [--requests-per-client 4] [--label NAME]
+        [--output-len 64] [--requests-per-client 4] [--label NAME] [--no-warmup]
 
 Each client thread streams ``/generate`` requests back to back (greedy, ``ignore_eos``), prompts
 of random token ids (distinct per request, so no prefix is shared). Prints one markdown row per
 concurrency: output tok/s over the wall time; per request, as SGLang's ``bench_serving`` defines
 them, TTFT (time to the first streamed token), TPOT ((e2e - TTFT) / (output tokens - 1): the
 decode steps alone, the prefill left out) and the median inter-token latency (ITL) over all
-requests' gaps between streamed chunks; mean e2e latency.
+requests' gaps between streamed chunks; mean e2e latency. Each concurrency is timed after one short
+untimed round at that concurrency (`--no-warmup`: cold), so graph captures and compiles of a new
+batch size on a GPU server are not in its numbers.
 """
 
 from __future__ import annotations
@@ -84,11 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=3)
     ap.add_argument("--label", default="")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="time each concurrency cold (default: one short untimed round first, so a GPU "
+                         "server's graph captures and compiles for that batch size are not timed)")
     args = ap.parse_args(argv)
     sweep(args.port, 2, 32, 8, 1, seed=99)  # warm-up: first captures, allocator growth
     print("| server | concurrency | output tok/s | TTFT ms | TPOT ms | ITL ms (median) | e2e s | requests |\n"
           "|---|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
+        if not args.no_warmup:
+            sweep(args.port, c, args.input_len, min(args.output_len, 16), 1, seed=10_000 + c)
         r = sweep(args.port, c, args.input_len, args.output_len, args.requests_per_client, seed=c)
         print(f"| {args.label} | {c} | {r['tok_s']:.1f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['itl_ms']:.2f} "
               f"| {r['e2e_s']:.2f} | {r['requests']} |", flush=True)
