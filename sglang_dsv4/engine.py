@@ -11,13 +11,12 @@ default arguments; keyword arguments override them.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
 
 from .launch_server import CPU_DEFAULTS, SHIM_DIR, TINY_PRESETS, cache_dir, cpu_environment
-from .srt.pool_sizing import OVERLAP_KEY
+from .srt.pool_sizing import overlap_in_overrides
 
 
 def make_engine(model_path: str = "micro", **kwargs: Any):
@@ -34,7 +33,7 @@ def make_engine(model_path: str = "micro", **kwargs: Any):
         os.environ.update(cpu_environment(dict(os.environ)))
         sys.path.insert(0, str(SHIM_DIR))
         defaults = dict(CPU_DEFAULTS)
-        if json.loads(kwargs.get("json_model_override_args") or "{}").get(OVERLAP_KEY):
+        if overlap_in_overrides(kwargs.get("json_model_override_args")):
             defaults.pop("disable_overlap_schedule")  # asked for: not turned off again here
         kwargs = {**defaults, **kwargs}
     import sglang as sgl

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from .srt.pool_sizing import (ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY, OVERLAP_KEY,
-                               SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY)
+                               SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY, overlap_in_overrides)
 
 TINY_PRESETS = ("micro", "tiny")
 # SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
@@ -111,7 +111,7 @@ def overlap_requested(args: list[str]) -> bool:
     for i, a in enumerate(args):
         flag, _, inline = a.partition("=")
         if flag == "--json-model-override-args":
-            return bool(json.loads(inline or args[i + 1]).get(OVERLAP_KEY, False))
+            return overlap_in_overrides(inline or args[i + 1])
     return False
 
 

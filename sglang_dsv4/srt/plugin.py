@@ -90,10 +90,10 @@ def _register_model_override() -> None:
     """Replace upstream's V4 server-arg overrides (dsv4 backend, page 256, SWA ratio) with ours:
     an ordinary full-attention pool of page size 1 (token-granular prefix matches); no overlap
     scheduling unless ``dsv4_overlap_schedule`` asks for it (patches/server-arg-overrides.md: exact
-    on the CPU, not yet measured on the GPU); and SGLang's attention backend set to torch_native: our model runs its own attention (FlashMLA
-    or torch, ``kernels/``), so SGLang's backend is never called, and torch_native allocates no
-    workspace and turns CUDA graph capture off (our cache's per-request work is host-side Python
-    that a graph cannot replay)."""
+    on the CPU, not yet measured on the GPU); and SGLang's attention backend set to torch_native:
+    our model runs its own attention (FlashMLA or torch, ``kernels/``), so SGLang's backend is
+    never called, and torch_native allocates no workspace and turns SGLang's CUDA graph capture
+    off (our model captures its own decode graphs, ``core/graphs.py``)."""
     import sglang.srt.arg_groups.overrides  # noqa: F401  (registers upstream's overrides first)
     from sglang.srt.arg_groups.model_override_base import _MODEL_OVERRIDE_FNS, register_model_override
 
@@ -110,12 +110,9 @@ def _register_model_override() -> None:
 def _overlap_requested(server_args) -> bool:
     """``dsv4_overlap_schedule`` in ``--json-model-override-args``: SGLang's overlap scheduler
     stays as its own flags set it (``--disable-overlap-schedule`` still turns it off)."""
-    import json
+    from .pool_sizing import overlap_in_overrides
 
-    from .pool_sizing import OVERLAP_KEY
-
-    raw = getattr(server_args, "json_model_override_args", None) or "{}"
-    return bool(json.loads(raw).get(OVERLAP_KEY, False))
+    return overlap_in_overrides(getattr(server_args, "json_model_override_args", None))
 
 
 def _skip_v4_defaults(original, server_args, model_arch, *args, **kwargs):

@@ -12,6 +12,7 @@ snapshots under their own budget. So for our architecture:
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ DETERMINISTIC_KEY = "dsv4_deterministic"  # likewise: true = V4Model's determini
 OVERLAP_KEY = "dsv4_overlap_schedule"  # likewise: true = SGLang's overlap scheduler left on
 ENTRY_PAGE_ROWS = 64  # rows per storage page of the cache's entry pools (FlashMLA's paged layout)
 ENTRY_SIDE_TABLE_BYTES = 2 * 4  # per token slot: one int32 entry row per ratio (state.entry_of_slot)
+
+
+def overlap_in_overrides(json_model_override_args: str | None) -> bool:
+    """Whether ``--json-model-override-args`` (its JSON text) asks for SGLang's overlap scheduler."""
+    return bool(json.loads(json_model_override_args or "{}").get(OVERLAP_KEY, False))
 
 
 @dataclass(frozen=True)
