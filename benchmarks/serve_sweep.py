@@ -2,6 +2,7 @@
 
     python -m benchmarks.serve_sweep --port 30000 [--concurrency 1,8,64] [--input-len 512]
         [--output-len 64] [--requests-per-client 4] [--label NAME] [--no-warmup]
+        [--hit-lengths 1024,16384,65536] [--hit-new 32]
 
 Each client thread streams ``/generate`` requests back to back (greedy, ``ignore_eos``), prompts
 of random token ids (distinct per request, so no prefix is shared). Prints one markdown row per
@@ -11,6 +12,11 @@ decode steps alone, the prefill left out) and the median inter-token latency (IT
 requests' gaps between streamed chunks; mean e2e latency. Each concurrency is timed after one short
 untimed round at that concurrency (`--no-warmup`: cold), so graph captures and compiles of a new
 batch size on a GPU server are not in its numbers.
+
+``--hit-lengths``: then, for each prompt length, TTFT of that prompt cold (one output token) and
+of the same prompt with ``--hit-new`` new tokens after it (a cache hit: the cold request's finish
+snapshot is at its prompt's end), each measured twice after an untimed pair at that length, with
+the cached tokens SGLang reports.
 """
 
 from __future__ import annotations
@@ -78,6 +84,17 @@ def sweep(port: int, concurrency: int, input_len: int, output_len: int, per_clie
             "e2e_s": statistics.fmean(m["e2e"] for m in results), "requests": len(results)}
 
 
+def hit_ttft(port: int, length: int, new: int, seed: int) -> dict:
+    """TTFT (ms) of a ``length``-token prompt cold and then of it plus ``new`` tokens (a hit)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000, 100000) for _ in range(length)]
+    more = [rng.randrange(1000, 100000) for _ in range(new)]
+    one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    cold = _stream(port, {"input_ids": prompt, "sampling_params": one})
+    hit = _stream(port, {"input_ids": prompt + more, "sampling_params": one})
+    return {"cold_ms": 1e3 * cold["ttft"], "hit_ms": 1e3 * hit["ttft"], "cached": hit["cached_tokens"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, default=30000)
@@ -89,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-warmup", action="store_true",
                     help="time each concurrency cold (default: one short untimed round first, so a GPU "
                          "server's graph captures and compiles for that batch size are not timed)")
+    ap.add_argument("--hit-lengths", default="", help="prompt lengths for cold vs cache-hit TTFT, e.g. 1024,16384")
+    ap.add_argument("--hit-new", type=int, default=32, help="new tokens after the cached prompt")
     args = ap.parse_args(argv)
     sweep(args.port, 2, 32, 8, 1, seed=99)  # warm-up: first captures, allocator growth
     print("| server | concurrency | output tok/s | TTFT ms | TPOT ms | ITL ms (median) | e2e s | requests |\n"
@@ -99,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         r = sweep(args.port, c, args.input_len, args.output_len, args.requests_per_client, seed=c)
         print(f"| {args.label} | {c} | {r['tok_s']:.1f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['itl_ms']:.2f} "
               f"| {r['e2e_s']:.2f} | {r['requests']} |", flush=True)
+    if args.hit_lengths:
+        print(f"\n| server | prompt tokens | TTFT cold ms | TTFT hit ms (+{args.hit_new} new) | cached tokens |\n"
+              "|---|---|---|---|---|")
+        for n in (int(x) for x in args.hit_lengths.split(",")):
+            hit_ttft(args.port, n, args.hit_new, seed=20_000 + n)  # untimed: this length's compiles
+            runs = [hit_ttft(args.port, n, args.hit_new, seed=30_000 + n + k) for k in range(2)]
+            print(f"| {args.label} | {n} | {statistics.fmean(r['cold_ms'] for r in runs):.1f} "
+                  f"| {statistics.fmean(r['hit_ms'] for r in runs):.1f} | {runs[-1]['cached']} |", flush=True)
     return 0
 
 
