@@ -3,9 +3,10 @@
     python -m benchmarks.bench_host_step [--batches 1,64,256] [--context 300] [--steps 20]
         [--prev-root DIR] [--out FILE.md]
 
-The server runs without SGLang's overlap scheduler (patches/server-arg-overrides.md), so the host
-work of a step (SGLang's, then ours before the step's kernels are queued) leaves the GPU idle:
-it adds to every step's time. This measures ours, on the CPU, with the code that serves:
+Without SGLang's overlap scheduler (``--disable-overlap-schedule``) the host work of a step
+(SGLang's, then ours before the step's kernels are queued) leaves the GPU idle: it adds to every
+step's time; with it (the default) it runs while the step before is on the GPU, and bounds the
+step from below. This measures ours, on the CPU, with the code that serves:
 
 - ``adapter``: ``srt.model.DeepseekV4ForCausalLM.forward`` outside ``V4Model.forward`` (rows,
   generations, binding each row's request state, the token tensors, fork points), driven with a

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call: the same server twice, without and then with SGLang's overlap scheduler
-# (``dsv4_overlap_schedule``), each through gpu_server_check.sh's checks and its SWEEP; then the
+# One device call: the same server twice, without (--disable-overlap-schedule) and then with SGLang's
+# overlap scheduler (its default), each through gpu_server_check.sh's checks and its SWEEP; then the
 # two servers' greedy outputs of those checks compared (same kernels, same batches: the same bits).
 #
 #   run(command="PRESET=flash8 SWEEP='--concurrency 1,8,64 --input-len 512 --output-len 64' bash scripts/gpu_overlap_ab.sh",
@@ -14,9 +14,9 @@ cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 rc=0
-SWEEP_LABEL=no_overlap PORT=30000 bash scripts/gpu_server_check.sh || rc=1
-SERVER_ARGS='--json-model-override-args {"dsv4_overlap_schedule":true}' SWEEP_LABEL=overlap PORT=30001 \
+SERVER_ARGS="${SERVER_ARGS:-} --disable-overlap-schedule" SWEEP_LABEL=no_overlap PORT=30000 \
   bash scripts/gpu_server_check.sh || rc=1
+SWEEP_LABEL=overlap PORT=30001 bash scripts/gpu_server_check.sh || rc=1
 grep -o "'disable_overlap_schedule': [A-Za-z]*" "$OUT/server_no_overlap.log" "$OUT/server_overlap.log" | sort -u
 # with SGLANG_DSV4_SYNC_DEBUG=warn in the environment: the host syncs inside our forwards, by site
 grep -h -A2 "called a synchronizing CUDA operation" "$OUT/server_no_overlap.log" "$OUT/server_overlap.log" | head -30

@@ -16,7 +16,6 @@ import sys
 from typing import Any
 
 from .launch_server import CPU_DEFAULTS, SHIM_DIR, TINY_PRESETS, cache_dir, cpu_environment
-from .srt.pool_sizing import overlap_in_overrides
 
 
 def make_engine(model_path: str = "micro", **kwargs: Any):
@@ -32,10 +31,7 @@ def make_engine(model_path: str = "micro", **kwargs: Any):
             raise RuntimeError("make_engine must run before sglang is imported (CPU set-up)")
         os.environ.update(cpu_environment(dict(os.environ)))
         sys.path.insert(0, str(SHIM_DIR))
-        defaults = dict(CPU_DEFAULTS)
-        if overlap_in_overrides(kwargs.get("json_model_override_args")):
-            defaults.pop("disable_overlap_schedule")  # asked for: not turned off again here
-        kwargs = {**defaults, **kwargs}
+        kwargs = {**CPU_DEFAULTS, **kwargs}
     import sglang as sgl
 
     return sgl.Engine(model_path=model_path, **kwargs)

@@ -12,13 +12,11 @@ bf16 = dequantised; fp8 = the checkpoint's fp8 block-128 matrices kept, fp4 expe
 exactly; auto = fp8 on an SM90+ GPU with a checkpoint of fp4/fp8 experts, bf16 elsewhere).
 ``--dsv4-deterministic`` makes every position's result independent of how its sequence is chunked
 and batched on the GPU too (``core.model``'s deterministic mode; the CPU path is so already).
-``--dsv4-overlap-schedule`` leaves SGLang's overlap scheduler on (the host work of step N+1 while
-step N runs; ``--disable-overlap-schedule`` still wins), off by default until measured on the GPU.
 ``--model-path micro`` / ``tiny`` builds that tiny checkpoint on first use (cached under
 ``$SGLANG_DSV4_CACHE``, default ``~/.cache/sglang_dsv4``). Without CUDA the launcher makes SGLang
 run on the CPU: ``SGLANG_USE_CPU_ENGINE=1``, a pure-torch ``sgl_kernel`` stand-in ahead of
 site-packages (SGLang imports it before plugins run), torch-native attention and sampling, no
-CUDA graphs or overlap scheduling, float32, a KV cap so the pool is not sized from system RAM, and
+CUDA graphs, float32, a KV cap so the pool is not sized from system RAM, and
 ``--sleep-on-idle`` (an idle scheduler waits on its sockets instead of busy-polling a whole core).
 Arguments given on the command line always win over these defaults.
 """
@@ -30,8 +28,8 @@ import os
 import sys
 from pathlib import Path
 
-from .srt.pool_sizing import (ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY, OVERLAP_KEY,
-                               SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY, overlap_in_overrides)
+from .srt.pool_sizing import (ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY,
+                               SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY)
 
 TINY_PRESETS = ("micro", "tiny")
 # SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
@@ -44,7 +42,6 @@ CPU_DEFAULTS: dict[str, object] = {
     "max_running_requests": 16,
     "chunked_prefill_size": 2048,
     "disable_cuda_graph": True,
-    "disable_overlap_schedule": True,
     "sleep_on_idle": True,
 }
 SHIM_DIR = Path(__file__).parent / "srt" / "cpu_shim"
@@ -96,23 +93,12 @@ def resolve_model_path(args: list[str]) -> list[str]:
 def cpu_arguments(args: list[str]) -> list[str]:
     """SGLang arguments for the CPU, the user's own taking precedence."""
     given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
-    if overlap_requested(args):  # asked for: not turned off again here
-        given.add("--disable-overlap-schedule")
     extra: list[str] = []
     for name, value in CPU_DEFAULTS.items():
         flag = "--" + name.replace("_", "-")
         if flag not in given:
             extra += [flag] if value is True else [flag, str(value)]
     return list(args) + extra
-
-
-def overlap_requested(args: list[str]) -> bool:
-    """Whether SGLang's arguments (after ``dsv4_arguments``) ask for the overlap scheduler."""
-    for i, a in enumerate(args):
-        flag, _, inline = a.partition("=")
-        if flag == "--json-model-override-args":
-            return overlap_in_overrides(inline or args[i + 1])
-    return False
 
 
 def _non_negative(parse, what: str):
@@ -174,7 +160,6 @@ DSV4_FLAGS = {
 # our switches (no value) -> the model config override key set to true
 DSV4_SWITCHES = {
     "--dsv4-deterministic": DETERMINISTIC_KEY,
-    "--dsv4-overlap-schedule": OVERLAP_KEY,
 }
 
 

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from sglang_dsv4.launch_server import (_parallel_ranks, cpu_arguments, cpu_environment, dsv4_arguments,
-                                       overlap_requested)
+from sglang_dsv4.launch_server import _parallel_ranks, cpu_arguments, cpu_environment, dsv4_arguments
 
 
 def test_dsv4_flags_become_model_overrides_and_merge_with_the_users():
@@ -38,12 +37,9 @@ def test_user_arguments_win_over_cpu_defaults():
     assert args.count("--dtype") == 1 and "--sleep-on-idle" in args and "--device" in args
 
 
-def test_overlap_switch_keeps_sglangs_overlap_scheduler_on_the_cpu_too():
-    args = dsv4_arguments(["--dsv4-overlap-schedule"])
-    assert overlap_requested(args)
-    assert "--disable-overlap-schedule" not in cpu_arguments(args)
-    assert not overlap_requested(dsv4_arguments(["--dsv4-deterministic"]))
-    assert "--disable-overlap-schedule" in cpu_arguments(["--port", "1"])  # the CPU default: off
+def test_the_cpu_keeps_sglangs_overlap_scheduler_unless_the_user_turns_it_off():
+    assert "--disable-overlap-schedule" not in cpu_arguments(["--port", "1"])
+    assert cpu_arguments(["--disable-overlap-schedule"]).count("--disable-overlap-schedule") == 1
 
 
 def test_cpu_ranks_split_the_cores_and_use_gloo(monkeypatch):

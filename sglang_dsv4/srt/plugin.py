@@ -88,12 +88,12 @@ def _dp_padding_fill_value() -> None:
 
 def _register_model_override() -> None:
     """Replace upstream's V4 server-arg overrides (dsv4 backend, page 256, SWA ratio) with ours:
-    an ordinary full-attention pool of page size 1 (token-granular prefix matches); no overlap
-    scheduling unless ``dsv4_overlap_schedule`` asks for it (patches/server-arg-overrides.md: exact
-    on the CPU, not yet measured on the GPU); and SGLang's attention backend set to torch_native:
-    our model runs its own attention (FlashMLA or torch, ``kernels/``), so SGLang's backend is
-    never called, and torch_native allocates no workspace and turns SGLang's CUDA graph capture
-    off (our model captures its own decode graphs, ``core/graphs.py``)."""
+    an ordinary full-attention pool of page size 1 (token-granular prefix matches), and SGLang's
+    attention backend set to torch_native: our model runs its own attention (FlashMLA or torch,
+    ``kernels/``), so SGLang's backend is never called, and torch_native allocates no workspace
+    and turns SGLang's CUDA graph capture off (our model captures its own decode graphs,
+    ``core/graphs.py``). SGLang's overlap scheduler is left as its flags set it (on unless
+    ``--disable-overlap-schedule``): exact with our cache (patches/server-arg-overrides.md)."""
     import sglang.srt.arg_groups.overrides  # noqa: F401  (registers upstream's overrides first)
     from sglang.srt.arg_groups.model_override_base import _MODEL_OVERRIDE_FNS, register_model_override
 
@@ -101,18 +101,7 @@ def _register_model_override() -> None:
 
     @register_model_override(ARCH)
     def _dsv4_overrides(server_args, hf_config) -> dict:
-        overrides = {"disable_hybrid_swa_memory": True, "page_size": 1, "attention_backend": "torch_native"}
-        if not _overlap_requested(server_args):
-            overrides["disable_overlap_schedule"] = True
-        return overrides
-
-
-def _overlap_requested(server_args) -> bool:
-    """``dsv4_overlap_schedule`` in ``--json-model-override-args``: SGLang's overlap scheduler
-    stays as its own flags set it (``--disable-overlap-schedule`` still turns it off)."""
-    from .pool_sizing import overlap_in_overrides
-
-    return overlap_in_overrides(getattr(server_args, "json_model_override_args", None))
+        return {"disable_hybrid_swa_memory": True, "page_size": 1, "attention_backend": "torch_native"}
 
 
 def _skip_v4_defaults(original, server_args, model_arch, *args, **kwargs):

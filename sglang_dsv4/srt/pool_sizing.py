@@ -12,7 +12,6 @@ snapshots under their own budget. So for our architecture:
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
@@ -32,14 +31,8 @@ ATTENTION_BACKEND_KEY = "dsv4_attention_backend"  # likewise: auto | torch | tor
 CUDA_GRAPH_MAX_BS_KEY = "dsv4_cuda_graph_max_bs"  # likewise: decode graphs up to this batch; 0 = off
 WEIGHTS_KEY = _WEIGHTS_KEY  # likewise: auto | bf16 | fp8 (kernels.weight_mode)
 DETERMINISTIC_KEY = "dsv4_deterministic"  # likewise: true = V4Model's deterministic mode
-OVERLAP_KEY = "dsv4_overlap_schedule"  # likewise: true = SGLang's overlap scheduler left on
 ENTRY_PAGE_ROWS = 64  # rows per storage page of the cache's entry pools (FlashMLA's paged layout)
 ENTRY_SIDE_TABLE_BYTES = 2 * 4  # per token slot: one int32 entry row per ratio (state.entry_of_slot)
-
-
-def overlap_in_overrides(json_model_override_args: str | None) -> bool:
-    """Whether ``--json-model-override-args`` (its JSON text) asks for SGLang's overlap scheduler."""
-    return bool(json.loads(json_model_override_args or "{}").get(OVERLAP_KEY, False))
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ that decode steps between them stay cheap: the model pads a batch to its longest
 and our deterministic mode (``dsv4_deterministic``, ``core.model``): on the CPU it must change
 no output, so it goes through the scheduler here too (steps cut into 64-row pieces, also between
 fork points).
-A runs SGLang's overlap scheduler (``dsv4_overlap_schedule``; ``SGLANG_DSV4_FUZZ_OVERLAP=0``
-turns it off): step N+1 launched before step N's results are processed.
-Engine B, the reference: ``disable_radix_cache=True`` and a large pool. Both run with SGLang's own
-strict self-checks (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`` / ``_IDLE``), under which our
-plugin runs the cache's integrity check after every forward step and at idle
-(``patches/integrity-check.md``); a failed check stops the scheduler, and this process with it,
+A runs SGLang's overlap scheduler (its default; ``SGLANG_DSV4_FUZZ_OVERLAP=0`` turns it off):
+step N+1 launched before step N's results are processed.
+Engine B, the reference: ``disable_radix_cache=True``, no overlap scheduling and a large pool.
+Both run with SGLang's own strict self-checks (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`` /
+``_IDLE``), under which our plugin runs the cache's integrity check after every forward step and
+at idle (``patches/integrity-check.md``); a failed check stops the scheduler, and this process with it,
 with the check's message on stderr.
 
 One operation is one client action on A: a generate call (whatever its ``n``; a fork's prefix fill
@@ -50,10 +50,10 @@ ENGINE_A = dict(max_total_tokens=6144, max_running_requests=64, chunked_prefill_
                 enable_mixed_chunk=True, prefill_decode_interval=2, schedule_policy="fcfs",
                 schedule_conservativeness=0.3,  # admit optimistically: long decodes outgrow the pool
                 json_model_override_args=json.dumps({"dsv4_snapshot_budget_mb": 48,  # ~200 snapshots
-                                                     "dsv4_deterministic": True,
-                                                     "dsv4_overlap_schedule": OVERLAP}))
-ENGINE_B = dict(disable_radix_cache=True, max_total_tokens=32768, max_running_requests=64,
-                chunked_prefill_size=256)
+                                                     "dsv4_deterministic": True}),
+                disable_overlap_schedule=not OVERLAP)
+ENGINE_B = dict(disable_radix_cache=True, disable_overlap_schedule=True, max_total_tokens=32768,
+                max_running_requests=64, chunked_prefill_size=256)
 A_INFLIGHT = 72  # requests in flight on A: a few more than it runs at once (aborts while queued)
 B_BATCH, B_LINGER_S = 48, 0.5  # reference requests go to B this many at once (or after this wait)
 MAX_SEQ = 320  # planned prompt + output bound

@@ -1,8 +1,7 @@
-"""The plugin's small hooks that need no server: the overlap switch, a decode step's host rows."""
+"""The plugin's small hooks that need no server: a decode step's host rows."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -41,9 +40,3 @@ def test_extends_and_other_models_keep_what_sglang_gave(serving, monkeypatch):
     monkeypatch.setattr(state, "_SERVING", None)  # not our model
     assert plugin._decode_rows_on_the_host(fb, None, _batch([1])).req_pool_indices_cpu is None
 
-
-@pytest.mark.parametrize("overrides, on", [(None, False), ({}, False), ({"dsv4_overlap_schedule": True}, True),
-                                           ({"dsv4_overlap_schedule": False, "other": 1}, False)])
-def test_overlap_scheduling_only_when_asked(overrides, on):
-    args = SimpleNamespace(json_model_override_args=None if overrides is None else json.dumps(overrides))
-    assert plugin._overlap_requested(args) is on

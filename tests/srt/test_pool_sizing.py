@@ -7,7 +7,7 @@ import torch
 
 from sglang_dsv4.config import V4Config
 from sglang_dsv4.kernels.dispatch import select_backend
-from sglang_dsv4.srt.pool_sizing import ENTRY_SIDE_TABLE_BYTES, overlap_in_overrides, plan_pools
+from sglang_dsv4.srt.pool_sizing import ENTRY_SIDE_TABLE_BYTES, plan_pools
 from sglang_dsv4.srt.state import SglangV4Cache
 from sglang_dsv4.tiny import PRESETS
 
@@ -75,8 +75,3 @@ def test_the_default_backend_on_cpu_is_fp32_float_rows():
     cache = SglangV4Cache(cfg, 1, 128, max_seq_len=128)
     assert cache.backend.name == "torch" and cache.slot_state["ring"].dtype == torch.float32
 
-
-@pytest.mark.parametrize("text, on", [(None, False), ("", False), ("{}", False), ('{"dsv4_overlap_schedule": false}', False),
-                                      ('{"dsv4_overlap_schedule": true, "dsv4_weights": "fp8"}', True)])
-def test_overlap_in_overrides_reads_the_one_key(text, on):
-    assert overlap_in_overrides(text) is on

@@ -106,11 +106,11 @@ def running_servers(log_dir: Path, *configs: tuple[str, list[str], int | None]) 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     # A small snapshot budget (about 8 micro snapshots) so the LRU evicts during the module; the
-    # cache-on server runs SGLang's overlap scheduler, so every comparison here checks it too.
+    # cache-on server runs SGLang's overlap scheduler (its default), the cache-off reference does
+    # not, so every comparison here checks it too.
     with running_servers(tmp_path_factory.mktemp("servers"),
-                         ("cache_on", ["--enable-metrics", "--dsv4-snapshot-budget-mb", "2",
-                                       "--dsv4-overlap-schedule"], None),
-                         ("cache_off", ["--disable-radix-cache"], None)) as started:
+                         ("cache_on", ["--enable-metrics", "--dsv4-snapshot-budget-mb", "2"], None),
+                         ("cache_off", ["--disable-radix-cache", "--disable-overlap-schedule"], None)) as started:
         yield started
 
 
@@ -126,7 +126,7 @@ def test_startup_states_the_cache_budgets(servers):
     # SGLang sized its token pool by our plan and kept no generic KV storage for the model
     log = on.log()
     assert "sglang_dsv4 pool plan for" in log and "KV Cache skipped (no-op pool)" in log
-    # the overlap scheduler runs where it was asked for, and only there
+    # the overlap scheduler runs by default, and --disable-overlap-schedule turns it off
     assert "'disable_overlap_schedule': False" in log
     assert "'disable_overlap_schedule': True" in servers[1].log()
 
