@@ -1,0 +1,132 @@
+"""Prefill latency in-process: a prompt cold, and a short extension of a cached prompt (a hit).
+
+    python -m benchmarks.bench_prefill [--configs flash8] [--lengths 1024,16384] [--new 32]
+        [--weights fp8] [--chunk 8192] [--reps 5] [--device cuda]
+
+What a server's time to first token is made of, SGLang's scheduler left out. Per config x length:
+``cold``: the whole prompt through ``V4Model.forward`` over the serving cache
+(``srt.state.SglangV4Cache``), in chunks of ``--chunk`` tokens (SGLang's chunked prefill), then
+the head on its last position; ``hit``: a new request resuming from that prompt's snapshot
+(``bind`` restores it) with ``--new`` tokens, and the head on its last position. Each case runs
+once untimed (compiles for its shapes), then ``--reps`` times with the device drained around each.
+Columns: median ms; on a GPU kernel launches, host syncs and GPU busy % per prefill (torch
+profiler, as ``bench_decode``). Set beside the server's TTFT (``serve_sweep --hit-lengths``), the
+difference is the work outside ``V4Model.forward``: SGLang's and our model class's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.bench_decode import bench_weights, compile_summary, make_config, profile_step
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.srt.state import SglangV4Cache
+
+
+class PrefillCase:
+    """One prefill case on one cache; ``step()`` runs it once (a new request each time)."""
+
+    def __init__(self, model: V4Model, cache: SglangV4Cache, kind: str, length: int, new: int, chunk: int,
+                 base_slots: torch.Tensor, gen: torch.Generator):
+        self.model, self.cache, self.kind, self.chunk = model, cache, kind, chunk
+        self.length, self.new = length, new
+        dev = cache.device
+        vocab = model.cfg.vocab_size
+        if kind == "cold":
+            self.row, self.start = 1, 0
+            self.cache.req_to_token[1, :length] = base_slots + length  # slots of its own, reused each run
+            self.ids = torch.randint(0, vocab, (length,), generator=gen).to(dev)
+        else:
+            self.row, self.start = 2, length
+            self.cache.req_to_token[2, :length] = base_slots  # the cached prompt's slots (row 0's)
+            self.cache.req_to_token[2, length:length + new] = torch.arange(
+                2 * length + 1, 2 * length + 1 + new, dtype=torch.int32, device=dev)
+            self.ids = torch.randint(0, vocab, (new,), generator=gen).to(dev)
+        self.generation = 0
+        self.token = None
+
+    def step(self) -> None:
+        self.generation += 1  # a new request in the row each run
+        st = self.cache.bind(self.row, self.generation, self.start)
+        hidden = None
+        for p in range(0, self.ids.numel(), self.chunk):
+            hidden = self.model.forward(self.cache, [st], [self.ids[p:p + self.chunk]], return_hidden=True)[0]
+        self.token = self.model.logits(hidden[-1:]).argmax(-1)  # the first output token, on the device
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int, reps: int, device: str,
+               profile: bool) -> list[str]:
+    longest = max(lengths)
+    cfg = make_config(name, longest + new + 8)
+    w = bench_weights(cfg, device, weights)
+    model = V4Model(cfg, w)
+    rows = []
+    for length in lengths:
+        cache = SglangV4Cache.with_own_table(cfg, 3, 2 * length + new + 64, max_seq_len=length + new + 8,
+                                             device=device)
+        gen = torch.Generator(device="cpu").manual_seed(length)
+        base = torch.arange(1, length + 1, dtype=torch.int32, device=device)
+        cache.req_to_token[0, :length] = base
+        origin = cache.bind(0, 1, 0)  # the cached prompt: prefilled once, snapshotted at its end
+        ids = torch.randint(0, cfg.vocab_size, (length,), generator=gen).to(device)
+        t0 = time.perf_counter()
+        for p in range(0, length, chunk):
+            model.forward(cache, [origin], [ids[p:p + chunk]], return_hidden=True)
+        cache.take_snapshot(origin)
+        sync(device)
+        first_s = time.perf_counter() - t0
+        for kind in ("cold", "hit"):
+            case = PrefillCase(model, cache, kind, length, new, chunk, base, gen)
+            case.step()  # untimed: compiles for this case's shapes
+            times = []
+            for _ in range(reps):
+                sync(device)
+                t = time.perf_counter()
+                case.step()
+                sync(device)
+                times.append(time.perf_counter() - t)
+            stats = "| - | - | - |"
+            if profile:
+                launches, syncs, busy = profile_step(case, n=2)
+                stats = f"| {launches:.0f} | {syncs:.1f} | {busy:.0f} |"
+            tokens = length if kind == "cold" else new
+            rows.append(f"| {name} | {weights} | {kind} | {length} | {tokens} | {1e3 * statistics.median(times):.1f} "
+                        f"{stats} {first_s:.1f} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="flash8")
+    ap.add_argument("--lengths", default="1024,16384")
+    ap.add_argument("--new", type=int, default=32, help="new tokens after the cached prompt (the hit)")
+    ap.add_argument("--weights", default="fp8", help="bf16 and/or fp8 (bench_decode's weight modes)")
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (SGLang's --chunked-prefill-size)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    profile = args.device.startswith("cuda")
+    header = ("| config | weights | case | prompt tokens | tokens computed | ms (median) | kernel launches "
+              "| host syncs | GPU busy % | first prefill s (compiles) |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(header, flush=True)
+    rows = []
+    for name in args.configs.split(","):
+        for weights in args.weights.split(","):
+            rows += run_config(name, weights, lengths, args.new, args.chunk, args.reps, args.device, profile)
+    print(f"\n{compile_summary()}\n\n{header}\n" + "\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
