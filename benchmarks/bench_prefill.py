@@ -47,7 +47,7 @@ class PrefillCase:
                 2 * length + 1, 2 * length + 1 + new, dtype=torch.int32, device=dev)
             self.ids = torch.randint(0, vocab, (new,), generator=gen).to(dev)
         self.generation = 0
-        self.token = None
+        self.last_hidden: torch.Tensor | None = None
 
     def step(self) -> None:
         self.generation += 1  # a new request in the row each run
@@ -55,7 +55,8 @@ class PrefillCase:
         hidden = None
         for p in range(0, self.ids.numel(), self.chunk):
             hidden = self.model.forward(self.cache, [st], [self.ids[p:p + self.chunk]], return_hidden=True)[0]
-        self.token = self.model.logits(hidden[-1:]).argmax(-1)  # the first output token, on the device
+        self.last_hidden = hidden[-1:]
+        self.model.logits(self.last_hidden).argmax(-1)  # the first output token, left on the device
 
 
 def sync(device: str) -> None:
@@ -63,25 +64,32 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def prompt_cache(model: V4Model, length: int, new: int, chunk: int, device: str,
+                 gen: torch.Generator) -> tuple[SglangV4Cache, torch.Tensor, torch.Tensor]:
+    """A cache holding one ``length``-token prompt (row 0, token slots 1..length), prefilled in
+    chunks and snapshotted at its end, with room for a cold and a hit case beside it.
+    -> (cache, the prompt's slots, its ids)."""
+    cache = SglangV4Cache.with_own_table(model.cfg, 3, 2 * length + new + 64, max_seq_len=length + new + 8,
+                                         device=device)
+    base = torch.arange(1, length + 1, dtype=torch.int32, device=device)
+    cache.req_to_token[0, :length] = base
+    origin = cache.bind(0, 1, 0)
+    ids = torch.randint(0, model.cfg.vocab_size, (length,), generator=gen).to(device)
+    for p in range(0, length, chunk):
+        model.forward(cache, [origin], [ids[p:p + chunk]], return_hidden=True)
+    cache.take_snapshot(origin)
+    return cache, base, ids
+
+
 def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int, reps: int, device: str,
                profile: bool) -> list[str]:
-    longest = max(lengths)
-    cfg = make_config(name, longest + new + 8)
-    w = bench_weights(cfg, device, weights)
-    model = V4Model(cfg, w)
+    cfg = make_config(name, max(lengths) + new + 8)
+    model = V4Model(cfg, bench_weights(cfg, device, weights))
     rows = []
     for length in lengths:
-        cache = SglangV4Cache.with_own_table(cfg, 3, 2 * length + new + 64, max_seq_len=length + new + 8,
-                                             device=device)
         gen = torch.Generator(device="cpu").manual_seed(length)
-        base = torch.arange(1, length + 1, dtype=torch.int32, device=device)
-        cache.req_to_token[0, :length] = base
-        origin = cache.bind(0, 1, 0)  # the cached prompt: prefilled once, snapshotted at its end
-        ids = torch.randint(0, cfg.vocab_size, (length,), generator=gen).to(device)
         t0 = time.perf_counter()
-        for p in range(0, length, chunk):
-            model.forward(cache, [origin], [ids[p:p + chunk]], return_hidden=True)
-        cache.take_snapshot(origin)
+        cache, base, _ = prompt_cache(model, length, new, chunk, device, gen)
         sync(device)
         first_s = time.perf_counter() - t0
         for kind in ("cold", "hit"):

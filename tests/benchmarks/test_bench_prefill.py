@@ -1,0 +1,30 @@
+"""bench_prefill's hit case is a real cache hit: resumed from the prompt's snapshot, its last
+position equals the same sequence prefilled cold, bit for bit (the CPU path is chunk-invariant)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.bench_decode import bench_weights, make_config
+from benchmarks.bench_prefill import PrefillCase, prompt_cache
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.srt.state import SglangV4Cache
+
+
+def test_a_hit_resumes_from_the_snapshot_and_equals_the_sequence_cold():
+    length, new = 150, 7  # a C4 and a C128 group boundary inside, the window wrapped
+    cfg = make_config("micro", length + new + 8)
+    model = V4Model(cfg, bench_weights(cfg, "cpu", "bf16"))
+    gen = torch.Generator().manual_seed(0)
+    cache, base, prompt = prompt_cache(model, length, new, 64, "cpu", gen)
+    hit = PrefillCase(model, cache, "hit", length, new, 64, base, gen)
+    restored = cache.stats["snapshots_restored"]
+    hit.step()
+    hit.step()  # a second request in the row: resumed again, the same result
+    assert cache.stats["snapshots_restored"] == restored + 2
+
+    cold_cache = SglangV4Cache.with_own_table(cfg, 2, length + new + 8, max_seq_len=length + new + 8)
+    cold_cache.req_to_token[1, :length + new] = torch.arange(1, 1 + length + new, dtype=torch.int32)
+    st = cold_cache.bind(1, 1, 0)
+    hidden = model.forward(cold_cache, [st], [torch.cat([prompt, hit.ids])], return_hidden=True)[0]
+    assert torch.equal(hit.last_hidden, hidden[-1:])
