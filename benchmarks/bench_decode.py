@@ -101,12 +101,13 @@ def fp8_random_weights(cfg: V4Config, device: str, seed: int = 0) -> dict:
 
 
 def bench_weights(cfg: V4Config, device: str, mode: str) -> dict:
-    """The weights of one ``--weights`` mode: bf16 (dequantised) or fp8."""
-    if mode == "bf16":
-        return random_weights(cfg, device, torch.bfloat16)
+    """The weights of one ``--weights`` mode: bf16 (dequantised), fp8, or fp32 (dequantised in
+    float32, as the CPU server runs: for CPU-side comparisons)."""
+    if mode in ("bf16", "fp32"):
+        return random_weights(cfg, device, torch.bfloat16 if mode == "bf16" else torch.float32)
     if mode == "fp8":
         return fp8_random_weights(cfg, device)
-    raise SystemExit(f"--weights: expected bf16 and/or fp8, got {mode!r}")
+    raise SystemExit(f"--weights: expected bf16, fp8 or fp32, got {mode!r}")
 
 
 _STACKED = (".ffn.experts.w13", ".ffn.experts.w2", ".ffn.experts.fp8")

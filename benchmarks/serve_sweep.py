@@ -41,7 +41,10 @@ def _stream(port: int, body: dict) -> dict:
         for line in r:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
-            meta = json.loads(line[6:])["meta_info"]
+            chunk = json.loads(line[6:])
+            if "meta_info" not in chunk:  # e.g. a prompt over the model's context length
+                raise RuntimeError(f"the server answered {chunk}")
+            meta = chunk["meta_info"]
             if meta["completion_tokens"] > tokens:
                 tokens = meta["completion_tokens"]
                 arrivals.append(time.perf_counter())
