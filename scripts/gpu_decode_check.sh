@@ -5,9 +5,7 @@
 #   git archive 521fd56 sglang_dsv4 | tar -x -C .bench-old && mv .bench-old/sglang_dsv4 .bench-old/sglang_dsv4_old
 #   mkdir -p .bench-prev && git archive COMMIT sglang_dsv4 | tar -x -C .bench-prev   # optional
 #   run(command="bash scripts/gpu_decode_check.sh", carry=[".whl", ".bench-old", ".srt-site", ".bench-prev", ".inductor-cache"])
-#   rm -rf .inductor-cache && mkdir .inductor-cache && cp FILES_AT/inductor-cache.tar.xz* .inductor-cache/   # after a call: the next starts warm
-#   (to carry it beside .srt-site and .whl within 64 MiB, repack it here first, ~3 min on 2 cores:
-#    cat FILES_AT/inductor-cache.tar.xz.part* | xz -dc | xz -9e -T2 > .inductor-cache/inductor-cache.tar.xz: 29 -> 20 MiB)
+#   (.inductor-cache: the compile caches a call brings back, scripts/inductor_cache.sh)
 #
 # .whl holds the sgl_flash_mla wheel (see gpu_check.sh). .srt-site (scripts/build_srt_site.sh), when
 # carried, puts SGLang on the path as in the server, so the tests and the benchmark run the SGLang
@@ -45,38 +43,8 @@ if [ -f .srt-site/site.tar.xz ]; then
   PATHS=/tmp/site:/tmp/srt-site
 fi
 export PYTHONPATH=$PATHS:$PWD PYTHONUNBUFFERED=1
-# Inductor's and Triton's compile caches: a cold process compiles the fused ops for a minute or
-# two per config (92 s for flash8's first 16K prefill), most of a call. The caches go back in
-# $OUT/inductor-cache.tar.xz (in 14 MiB parts when larger); copied to .inductor-cache/ here and
-# carried, the next call starts warm.
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
-if ls .inductor-cache/inductor-cache.tar.xz* >/dev/null 2>&1; then
-  cat $(ls .inductor-cache/inductor-cache.tar.xz* | sort) > /tmp/inductor-cache.tar.xz
-  python3 -c "import tarfile; tarfile.open('/tmp/inductor-cache.tar.xz').extractall('/tmp', filter='data')" \
-    && echo "compile caches: warm ($(du -sh /tmp/inductor-cache | cut -f1))"
-fi
-save_caches() {
-  python3 - "$OUT" <<'PY'
-import os, shutil, subprocess, sys, tarfile
-out = os.path.join(sys.argv[1], "inductor-cache.tar.xz")
-if not os.path.isdir("/tmp/inductor-cache"):
-    sys.exit(0)
-if shutil.which("xz"):  # all cores (the H200 image has no xz: there the preset-1 fallback runs)
-    subprocess.run(f"tar -C /tmp -cf - inductor-cache | xz -6 -T0 > {out}", shell=True, check=True)
-else:
-    with tarfile.open(out, "w:xz", preset=1) as t:  # fast: the caches are mostly text
-        t.add("/tmp/inductor-cache", arcname="inductor-cache")
-size, part = os.path.getsize(out), 14 * 2**20  # $OUT hands back files of up to 15 MiB
-if size > part:  # in parts (.part00, .part01, ...), which the restore above concatenates
-    with open(out, "rb") as f:
-        for i, chunk in enumerate(iter(lambda: f.read(part), b"")):
-            with open(f"{out}.part{i:02d}", "wb") as p:
-                p.write(chunk)
-    os.remove(out)
-print(f"compile caches: {size / 2**20:.1f} MiB compressed")
-PY
-}
-trap save_caches EXIT
+source scripts/inductor_cache.sh  # compile caches: restored when carried, saved to $OUT at exit
+trap save_compile_caches EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
 SGLANG_DSV4_COMPILE=${TEST_COMPILE:-${SGLANG_DSV4_COMPILE:-1}} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider ${TESTS:-tests/core/test_step_gpu.py tests/core/test_deterministic_gpu.py tests/srt/test_state_gpu.py tests/kernels/test_flashmla_gpu.py tests/kernels/test_fp8_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40

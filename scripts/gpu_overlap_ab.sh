@@ -4,7 +4,7 @@
 # two servers' greedy outputs of those checks compared (same kernels, same batches: the same bits).
 #
 #   run(command="PRESET=flash8 SWEEP='--concurrency 1,8,64 --input-len 512 --output-len 64' bash scripts/gpu_overlap_ab.sh",
-#       carry=[".whl", ".srt-site"])
+#       carry=[".whl", ".srt-site", ".inductor-cache"])   (compile caches: saved once, after the second server)
 #
 # SGLANG_DSV4_SYNC_DEBUG=warn in front: torch's sync debug mode around our forwards (srt/model.py),
 # its warnings shown at the end (a short run for that: the mode slows every step a little).
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 rc=0
-SERVER_ARGS="${SERVER_ARGS:-} --disable-overlap-schedule" SWEEP_LABEL=no_overlap PORT=30000 \
+SAVE_COMPILE_CACHES=0 SERVER_ARGS="${SERVER_ARGS:-} --disable-overlap-schedule" SWEEP_LABEL=no_overlap PORT=30000 \
   bash scripts/gpu_server_check.sh || rc=1
 SWEEP_LABEL=overlap PORT=30001 bash scripts/gpu_server_check.sh || rc=1
 grep -o "'disable_overlap_schedule': [A-Za-z]*" "$OUT/server_no_overlap.log" "$OUT/server_overlap.log" | sort -u

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: serve a tiny V4 checkpoint through SGLang on the GPU, query it, stop it.
 #
-#   run(command="bash scripts/gpu_server_check.sh", carry=[".whl", ".srt-site"])   # $OUT comes back
+#   run(command="bash scripts/gpu_server_check.sh", carry=[".whl", ".srt-site", ".inductor-cache"])   # $OUT comes back
+# (.inductor-cache, optional: the compile caches an earlier call brought back, scripts/inductor_cache.sh)
 #
 # The device has no package registry. .srt-site/site.tar.xz (built by scripts/build_srt_site.sh, ~27 MB)
 # holds sglang 0.5.23 and the packages the image lacks; it is unpacked to /tmp/srt-site. sgl-kernel
@@ -38,7 +39,10 @@ export PYTHONPATH=/tmp/site:$SITE:$PWD/sglang_dsv4/srt/cpu_shim:$PWD
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 EXTRA=()
 EXACT=0; [[ "${SERVER_ARGS:-}" == *dsv4_deterministic* ]] && EXACT=1
-if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+save_compile_caches() { :; }
+if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  source scripts/inductor_cache.sh  # compile caches: restored when carried, saved to $OUT at exit
+else
   EXACT=1
   export SGLANG_USE_CPU_ENGINE=1   # local dry run: patches/cpu-launcher.md
   EXTRA=(--device cpu --dtype float32 --max-total-tokens 65536)
@@ -50,7 +54,7 @@ python3 -c "import sys, torch, transformers, sglang; print('python', sys.version
 python3 -m sglang.launch_server --model-path "$MODEL" --port "$PORT" \
   --sampling-backend pytorch --mem-fraction-static 0.5 "${EXTRA[@]}" ${SERVER_ARGS:-} >"$LOG" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; save_compile_caches' EXIT
 # SERVER_ARGS: more server arguments; SWEEP / SWEEP_LABEL: a throughput sweep after the checks
 healthy() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2>/dev/null; }
 for _ in $(seq 300); do
