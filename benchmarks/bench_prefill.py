@@ -1,7 +1,7 @@
 """Prefill latency in-process: a prompt cold, and a short extension of a cached prompt (a hit).
 
     python -m benchmarks.bench_prefill [--configs flash8] [--lengths 1024,16384] [--new 32]
-        [--weights fp8] [--chunk 8192] [--reps 5] [--device cuda]
+        [--weights fp8] [--chunk 8192] [--reps 5] [--vary] [--device cuda]
 
 What a server's time to first token is made of, SGLang's scheduler left out. Per config x length:
 ``cold``: the whole prompt through ``V4Model.forward`` over the serving cache
@@ -9,8 +9,10 @@ What a server's time to first token is made of, SGLang's scheduler left out. Per
 the head on its last position; ``hit``: a new request resuming from that prompt's snapshot
 (``bind`` restores it) with ``--new`` tokens, and the head on its last position. Each case runs
 once untimed (compiles for its shapes), then ``--reps`` times with the device drained around each.
-Columns: median ms; on a GPU kernel launches, host syncs and GPU busy % per prefill (torch
-profiler, as ``bench_decode``). Set beside the server's TTFT (``serve_sweep --hit-lengths``), the
+Columns: median ms; the graphs Dynamo compiled during the timed runs (0 unless a run's shapes
+recompile the fused regions); on a GPU kernel launches, host syncs and GPU busy % per prefill
+(torch profiler, as ``bench_decode``). ``--vary``: each timed run one token shorter (cold) or
+longer (hit) than the one before, as a server's requests are: whether new lengths recompile. Set beside the server's TTFT (``serve_sweep --hit-lengths``), the
 difference is the work outside ``V4Model.forward``: SGLang's and our model class's.
 """
 
@@ -31,7 +33,7 @@ class PrefillCase:
     """One prefill case on one cache; ``step()`` runs it once (a new request each time)."""
 
     def __init__(self, model: V4Model, cache: SglangV4Cache, kind: str, length: int, new: int, chunk: int,
-                 base_slots: torch.Tensor, gen: torch.Generator):
+                 base_slots: torch.Tensor, gen: torch.Generator, extra: int = 0):
         self.model, self.cache, self.kind, self.chunk = model, cache, kind, chunk
         self.length, self.new = length, new
         dev = cache.device
@@ -43,9 +45,10 @@ class PrefillCase:
         else:
             self.row, self.start = 2, length
             self.cache.req_to_token[2, :length] = base_slots  # the cached prompt's slots (row 0's)
-            self.cache.req_to_token[2, length:length + new] = torch.arange(
-                2 * length + 1, 2 * length + 1 + new, dtype=torch.int32, device=dev)
-            self.ids = torch.randint(0, vocab, (new,), generator=gen).to(dev)
+            self.cache.req_to_token[2, length:length + new + extra] = torch.arange(
+                2 * length + 1, 2 * length + 1 + new + extra, dtype=torch.int32, device=dev)
+            self.ids = torch.randint(0, vocab, (new + extra,), generator=gen).to(dev)
+        self.count = new if kind == "hit" else length  # tokens the next run computes
         self.generation = 0
         self.last_hidden: torch.Tensor | None = None
 
@@ -53,8 +56,9 @@ class PrefillCase:
         self.generation += 1  # a new request in the row each run
         st = self.cache.bind(self.row, self.generation, self.start)
         hidden = None
-        for p in range(0, self.ids.numel(), self.chunk):
-            hidden = self.model.forward(self.cache, [st], [self.ids[p:p + self.chunk]], return_hidden=True)[0]
+        for p in range(0, self.count, self.chunk):
+            ids = self.ids[p:min(p + self.chunk, self.count)]
+            hidden = self.model.forward(self.cache, [st], [ids], return_hidden=True)[0]
         self.last_hidden = hidden[-1:]
         self.model.logits(self.last_hidden).argmax(-1)  # the first output token, left on the device
 
@@ -70,7 +74,7 @@ def prompt_cache(model: V4Model, length: int, new: int, chunk: int, device: str,
     chunks and snapshotted at its end, with room for a cold and a hit case beside it.
     -> (cache, the prompt's slots, its ids)."""
     cache = SglangV4Cache.with_own_table(model.cfg, 3, 2 * length + new + 64, max_seq_len=length + new + 8,
-                                         device=device)
+                                         device=device)  # new: the hit's tokens, and --vary's extra
     base = torch.arange(1, length + 1, dtype=torch.int32, device=device)
     cache.req_to_token[0, :length] = base
     origin = cache.bind(0, 1, 0)
@@ -82,33 +86,39 @@ def prompt_cache(model: V4Model, length: int, new: int, chunk: int, device: str,
 
 
 def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int, reps: int, device: str,
-               profile: bool) -> list[str]:
-    cfg = make_config(name, max(lengths) + new + 8)
+               profile: bool, vary: bool = False) -> list[str]:
+    from torch._dynamo.utils import counters
+
+    extra = reps + 1 if vary else 0
+    cfg = make_config(name, max(lengths) + new + extra + 8)
     model = V4Model(cfg, bench_weights(cfg, device, weights))
     rows = []
     for length in lengths:
         gen = torch.Generator(device="cpu").manual_seed(length)
         t0 = time.perf_counter()
-        cache, base, _ = prompt_cache(model, length, new, chunk, device, gen)
+        cache, base, _ = prompt_cache(model, length, new + extra, chunk, device, gen)
         sync(device)
         first_s = time.perf_counter() - t0
         for kind in ("cold", "hit"):
-            case = PrefillCase(model, cache, kind, length, new, chunk, base, gen)
+            case = PrefillCase(model, cache, kind, length, new, chunk, base, gen, extra)
             case.step()  # untimed: compiles for this case's shapes
-            times = []
+            times, graphs = [], counters["stats"]["unique_graphs"]
             for _ in range(reps):
+                if vary:
+                    case.count += 1 if kind == "hit" else -1
                 sync(device)
                 t = time.perf_counter()
                 case.step()
                 sync(device)
                 times.append(time.perf_counter() - t)
+            graphs = counters["stats"]["unique_graphs"] - graphs
             stats = "| - | - | - |"
             if profile:
                 launches, syncs, busy = profile_step(case, n=2)
                 stats = f"| {launches:.0f} | {syncs:.1f} | {busy:.0f} |"
             tokens = length if kind == "cold" else new
-            rows.append(f"| {name} | {weights} | {kind} | {length} | {tokens} | {1e3 * statistics.median(times):.1f} "
-                        f"{stats} {first_s:.1f} |")
+            rows.append(f"| {name} | {weights} | {kind} | {length} | {tokens}{' (varied)' if vary else ''} "
+                        f"| {1e3 * statistics.median(times):.1f} | {graphs} {stats} {first_s:.1f} |")
             print(rows[-1], flush=True)
     return rows
 
@@ -121,17 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="fp8", help="bf16 and/or fp8 (bench_decode's weight modes)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (SGLang's --chunked-prefill-size)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--vary", action="store_true", help="each timed run a new length (a server's requests)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     profile = args.device.startswith("cuda")
-    header = ("| config | weights | case | prompt tokens | tokens computed | ms (median) | kernel launches "
-              "| host syncs | GPU busy % | first prefill s (compiles) |\n|---|---|---|---|---|---|---|---|---|---|")
+    header = ("| config | weights | case | prompt tokens | tokens computed | ms (median) | graphs compiled (timed) "
+              "| kernel launches | host syncs | GPU busy % | first prefill s (compiles) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
     print(header, flush=True)
     rows = []
     for name in args.configs.split(","):
         for weights in args.weights.split(","):
-            rows += run_config(name, weights, lengths, args.new, args.chunk, args.reps, args.device, profile)
+            rows += run_config(name, weights, lengths, args.new, args.chunk, args.reps, args.device, profile, args.vary)
     print(f"\n{compile_summary()}\n\n{header}\n" + "\n".join(rows))
     return 0
 
