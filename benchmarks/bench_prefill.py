@@ -12,8 +12,9 @@ once untimed (compiles for its shapes), then ``--reps`` times with the device dr
 Columns: median ms; the graphs Dynamo compiled during the timed runs (0 unless a run's shapes
 recompile the fused regions); on a GPU kernel launches, host syncs and GPU busy % per prefill
 (torch profiler, as ``bench_decode``). ``--vary``: each timed run one token shorter (cold) or
-longer (hit) than the one before, as a server's requests are: whether new lengths recompile. Set beside the server's TTFT (``serve_sweep --hit-lengths``), the
-difference is the work outside ``V4Model.forward``: SGLang's and our model class's.
+longer (hit) than the one before, as a server's requests are: whether new lengths recompile.
+Set beside the server's TTFT (``serve_sweep --hit-lengths``), the difference is the work outside
+``V4Model.forward``: SGLang's and our model class's.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ class PrefillCase:
 
     def __init__(self, model: V4Model, cache: SglangV4Cache, kind: str, length: int, new: int, chunk: int,
                  base_slots: torch.Tensor, gen: torch.Generator, extra: int = 0):
-        self.model, self.cache, self.kind, self.chunk = model, cache, kind, chunk
-        self.length, self.new = length, new
+        self.model, self.cache, self.chunk = model, cache, chunk
         dev = cache.device
         vocab = model.cfg.vocab_size
         if kind == "cold":
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="flash8")
     ap.add_argument("--lengths", default="1024,16384")
     ap.add_argument("--new", type=int, default=32, help="new tokens after the cached prompt (the hit)")
-    ap.add_argument("--weights", default="fp8", help="bf16 and/or fp8 (bench_decode's weight modes)")
+    ap.add_argument("--weights", default="fp8", help="bf16, fp8 and/or fp32 (bench_decode's weight modes)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (SGLang's --chunked-prefill-size)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vary", action="store_true", help="each timed run a new length (a server's requests)")

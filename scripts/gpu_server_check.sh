@@ -76,6 +76,9 @@ def post(path, body):
                                  {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=300))
 
+def flush():
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST"), timeout=60)
+
 def generate(ids, stop=None):
     sampling = {"max_new_tokens": 16, "temperature": 0, **({"stop_token_ids": [stop]} if stop is not None else {})}
     r = post("/generate", {"input_ids": ids, "sampling_params": sampling,
@@ -124,14 +127,14 @@ r = post("/v1/chat/completions", {"model": "default", "max_tokens": 16, "tempera
                                   "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
 print("  ", json.dumps(r["choices"][0]["message"], ensure_ascii=False), r["usage"])
 print("/flush_cache, then the next turn again, cold:")
-urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST"), timeout=60)
+flush()
 d = generate(ids + a["output_ids"])
 # the same prompt again (no snapshot to resume from: a full recompute, cut at the fork point),
 # then cold twice after flushes (no cut)
 e = generate(ids)
-urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST"), timeout=60)
+flush()
 f = generate(ids)
-urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST"), timeout=60)
+flush()
 g = generate(ids)
 repeats = {f"a repeat (cached {b['meta_info']['cached_tokens']}) == the first answer": agree(a, b, "repeat vs first"),
            "repeat recomputed == repeat from a snapshot": agree(b, e, "repeat recomputed vs from a snapshot"),
@@ -139,7 +142,6 @@ repeats = {f"a repeat (cached {b['meta_info']['cached_tokens']}) == the first an
 # a stop-token finish (under overlap scheduling the step after it has fed the stop token, and
 # the finish snapshot is taken one token further: patches/server-arg-overrides.md), resumed, then
 # cold; its stop token comes from a cold run right before it (cold twice computes the same)
-flush = lambda: urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST"), timeout=60)
 print("/generate with a stop token from a cold run, its next turn, the next turn cold:")
 flush()
 s0 = generate(ids)
@@ -149,8 +151,7 @@ s = generate(ids, stop=s0["output_ids"][4])
 t = generate(ids + s["output_ids"] + ids[:8])
 flush()
 u = generate(ids + s["output_ids"] + ids[:8])
-label = os.environ.get("SWEEP_LABEL", "server")
-with open(os.path.join(os.environ.get("OUT", "."), f"check_{label}.json"), "w") as fh:  # for an A/B of two servers
+with open(os.path.join(os.environ["OUT"], f"check_{os.environ['SWEEP_LABEL']}.json"), "w") as fh:  # for an A/B of two servers
     json.dump({k: v["output_ids"] for k, v in dict(a=a, b=b, c=c, d=d, e=e, f=f, g=g, s0=s0, s=s, t=t, u=u).items()}, fh)
 checks = {
           "a stop-token finish stops on it": s["meta_info"]["finish_reason"]["type"] == "stop"
@@ -178,8 +179,8 @@ sys.exit(0 if all(checks.values()) else 1)
 EOF
 rc=$?
 if [ -n "${SWEEP:-}" ]; then  # e.g. SWEEP="--concurrency 1,8,64": throughput at those concurrencies
-  echo "--- sweep (${SWEEP_LABEL:-server})"
-  python3 -m benchmarks.serve_sweep --port "$PORT" --label "${SWEEP_LABEL:-server}" $SWEEP 2>&1 | tee -a "$OUT/sweep.md"
+  echo "--- sweep ($SWEEP_LABEL)"
+  python3 -m benchmarks.serve_sweep --port "$PORT" --label "$SWEEP_LABEL" $SWEEP 2>&1 | tee -a "$OUT/sweep.md"
   grep -E "captured the decode step|CUDA graphs of the decode" "$LOG" | cut -c1-300 | head -20
 fi
 echo "--- server log: $LOG; exit status $rc"

@@ -39,4 +39,3 @@ def test_extends_and_other_models_keep_what_sglang_gave(serving, monkeypatch):
     assert plugin._decode_rows_on_the_host(fb, None, _batch([])).req_pool_indices_cpu is None  # an idle rank
     monkeypatch.setattr(state, "_SERVING", None)  # not our model
     assert plugin._decode_rows_on_the_host(fb, None, _batch([1])).req_pool_indices_cpu is None
-

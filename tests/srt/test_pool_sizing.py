@@ -74,4 +74,3 @@ def test_the_default_backend_on_cpu_is_fp32_float_rows():
     cfg = V4Config.from_dict(PRESETS["micro"])
     cache = SglangV4Cache(cfg, 1, 128, max_seq_len=128)
     assert cache.backend.name == "torch" and cache.slot_state["ring"].dtype == torch.float32
-
