@@ -55,7 +55,8 @@ python3 -m sglang.launch_server --model-path "$MODEL" --port "$PORT" \
   --sampling-backend pytorch --mem-fraction-static 0.5 "${EXTRA[@]}" ${SERVER_ARGS:-} >"$LOG" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; save_compile_caches' EXIT
-# SERVER_ARGS: more server arguments; SWEEP / SWEEP_LABEL: a throughput sweep after the checks
+# SERVER_ARGS: more server arguments; SWEEP / SWEEP_LABEL: a throughput sweep after the checks;
+# PROFILE_HIT: prompt lengths for benchmarks/profile_server.py (a hit's TTFT under SGLang's profiler)
 healthy() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2>/dev/null; }
 for _ in $(seq 300); do
   healthy && break
@@ -66,6 +67,7 @@ healthy || { echo "no /health after 300 s"; tail -40 "$LOG"; exit 1; }
 echo "--- server up"
 grep -E "Executed general plugin|sglang_dsv4|attention backend|Tree cache|[Cc]uda graph|Load weight end" "$LOG" | cut -c1-400
 
+if [ "${CHECKS:-1}" = 1 ]; then  # CHECKS=0: the sweep and the profile alone (a short call)
 EXACT=$EXACT python3 - "$PORT" "$MODEL" <<'EOF'
 import json, os, sys, urllib.request
 from tokenizers import Tokenizer
@@ -178,10 +180,17 @@ for name, ok in checks.items():
 sys.exit(0 if all(checks.values()) else 1)
 EOF
 rc=$?
+else rc=0; fi
 if [ -n "${SWEEP:-}" ]; then  # e.g. SWEEP="--concurrency 1,8,64": throughput at those concurrencies
   echo "--- sweep ($SWEEP_LABEL)"
   python3 -m benchmarks.serve_sweep --port "$PORT" --label "$SWEEP_LABEL" $SWEEP 2>&1 | tee -a "$OUT/sweep.md"
   grep -E "captured the decode step|CUDA graphs of the decode" "$LOG" | cut -c1-300 | head -20
+fi
+if [ -n "${PROFILE_HIT:-}" ]; then  # e.g. PROFILE_HIT=1024,16384: a cache hit's TTFT under SGLang's profiler
+  echo "--- profile_server ($PROFILE_HIT)"
+  python3 -m benchmarks.profile_server --port "$PORT" --lengths "$PROFILE_HIT" --trace-dir /tmp/dsv4-server-trace 2>&1 \
+    | tee -a "$OUT/profile_server.md"
+  find /tmp/dsv4-server-trace -name "*.json.gz" -size -15M -exec cp {} "$OUT/" \;  # (at most 8 files come back)
 fi
 echo "--- server log: $LOG; exit status $rc"
 exit $rc
