@@ -231,9 +231,16 @@ def _after_idle_pool_check(result, checker, *args, **kwargs):
     cache = serving_cache()
     if cache is not None:
         import torch
+        from sglang.srt.environ import envs
 
         from .radix_cache import SnapshotRadixCache
 
+        # SGLang calls this on every pass of its idle loop: the audit, and the tree walk for it,
+        # only when due (a quiet spell after a change; after every change under SGLang's per-step
+        # check, a debugging mode the fuzz tests run: its strict idle check is on by default)
+        if not cache.idle_audit_due(immediate=envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY.get() > 0):
+            cache.refresh_metrics()
+            return result
         tree = getattr(checker, "tree_cache", None)
         live = None  # another tree (radix cache off): no liveness check, the rest still runs
         if isinstance(tree, SnapshotRadixCache) and not tree.disable:

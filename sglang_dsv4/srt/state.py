@@ -24,6 +24,7 @@ sets once the model has built it (``register_serving_cache``); nothing else is p
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,6 +44,11 @@ from ..kernels.dispatch import select_backend
 from .pool_sizing import ENTRY_PAGE_ROWS, default_snapshot_budget_bytes
 
 logger = logging.getLogger(__name__)
+# SGLang's idle self-check audits the cache (``SglangV4Cache.idle_audit_due``) only after this long
+# without a change, and at most this often: the audit scans the pools and the radix tree, and a
+# request arriving meanwhile waits for it (110 ms on the flash8 server after a concurrency-64 sweep)
+IDLE_AUDIT_QUIET_S = 1.0
+IDLE_AUDIT_INTERVAL_S = 10.0
 Tensor = torch.Tensor
 
 _SERVING: "SglangV4Cache | None" = None
@@ -159,8 +165,11 @@ class SglangV4Cache:
                       "aborts_queued": 0, "aborts_mid_prefill": 0, "aborts_running": 0,
                       "rows_read_back": 0}  # forwards whose rows came from the device (a host sync)
         self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
-        # changes to the state so far (forward steps, frees, flushes); at the last integrity check
-        self._changes, self._checked_at = 0, -1
+        # changes to the state so far (forward steps, frees, flushes); at the last integrity check,
+        # at the last metrics refresh; the change count an idle server last showed, and since when
+        self._changes, self._checked_at, self._metrics_at = 0, -1, -1
+        self._quiet: tuple[int, float] = (-1, 0.0)
+        self._last_audit = float("-inf")
 
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
@@ -432,6 +441,28 @@ class SglangV4Cache:
                 s.nbytes for s in self.snapshots.values()):
             raise AssertionError(f"byte gauges {used} disagree with their parts")
 
+    def idle_audit_due(self, immediate: bool = False, now: float | None = None) -> bool:
+        """Whether SGLang's idle self-check should run ``check_integrity`` now. The audit scans
+        the pools (tens of ms at V4-Flash sizes, more with a large tree) and a request arriving
+        meanwhile waits for it, so it waits for a quiet spell: something changed since the last
+        audit, nothing for ``IDLE_AUDIT_QUIET_S`` (a client's next turn usually comes sooner),
+        and the last audit is ``IDLE_AUDIT_INTERVAL_S`` old. ``immediate`` (SGLang's per-step
+        check on, as the fuzz tests run): whenever something changed."""
+        if self._changes == self._checked_at:
+            return False
+        if immediate:
+            return True
+        now = time.monotonic() if now is None else now
+        if self._quiet[0] != self._changes:  # the first idle pass since this change
+            self._quiet = (self._changes, now)
+        return now - self._quiet[1] >= IDLE_AUDIT_QUIET_S and now - self._last_audit >= IDLE_AUDIT_INTERVAL_S
+
+    def refresh_metrics(self) -> None:
+        """Bring the metrics' counters and gauges up to date (cheap: no scan), once per change."""
+        if self.metrics is not None and self._metrics_at != self._changes:
+            self._metrics_at = self._changes
+            self.metrics.update()
+
     def run_integrity_check(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None,
                             strict: bool | None = None) -> bool:
         """``check_integrity`` as SGLang's self-checks run it: counted (``integrity_checks``,
@@ -442,6 +473,7 @@ class SglangV4Cache:
         if self._changes == self._checked_at:
             return True
         self._checked_at = self._changes
+        self._last_audit = time.monotonic()
         self.stats["integrity_checks"] += 1
         ok = True
         try:
@@ -456,8 +488,7 @@ class SglangV4Cache:
                 strict = bool(envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get())
             if strict:
                 raise
-        if self.metrics is not None:
-            self.metrics.update()
+        self.refresh_metrics()
         return ok
 
     def usage(self) -> dict[str, int]:

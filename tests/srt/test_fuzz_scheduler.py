@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,29 @@ def test_a_free_alone_makes_the_next_check_run_and_strict_checks_raise(micro):
     cache._changes += 1
     assert not cache.run_integrity_check(first[:50], [0], strict=False)  # counted, not raised
     assert cache.stats["integrity_failures"] == 2
+
+
+def test_the_idle_audit_waits_for_a_quiet_spell_and_runs_at_most_every_interval(micro):
+    """SGLang's idle loop asks on every pass; the audit (a scan a new request would wait for) is
+    due only after a change, once the cache has been quiet for IDLE_AUDIT_QUIET_S and the last
+    audit is IDLE_AUDIT_INTERVAL_S old; with SGLang's per-step check on (the fuzz), after every change."""
+    from sglang_dsv4.srt.state import IDLE_AUDIT_INTERVAL_S, IDLE_AUDIT_QUIET_S
+
+    cfg, _ = micro
+    cache = SglangV4Cache.with_own_table(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend="torch")
+    t = time.monotonic()  # the clock the audit's own time is read from
+    assert not cache.idle_audit_due(now=t)  # the first idle pass since a change starts the quiet spell
+    assert cache.idle_audit_due(now=t + IDLE_AUDIT_QUIET_S)  # nothing audited yet: no interval to wait
+    cache.run_integrity_check(torch.empty(0, dtype=torch.long), [])
+    t = time.monotonic()
+    assert not cache.idle_audit_due(now=t + 100) and not cache.idle_audit_due(immediate=True, now=t)  # unchanged
+    cache.release_rows([])  # a change
+    assert cache.idle_audit_due(immediate=True, now=t)
+    assert not cache.idle_audit_due(now=t)  # its quiet spell starts
+    assert not cache.idle_audit_due(now=t + 2 * IDLE_AUDIT_QUIET_S)  # quiet, but the last audit is recent
+    t0 = t + IDLE_AUDIT_INTERVAL_S
+    assert cache.idle_audit_due(now=t0)
+    cache.release_rows([])  # another change restarts the spell
+    assert not cache.idle_audit_due(now=t0 + IDLE_AUDIT_QUIET_S / 2)
+    assert not cache.idle_audit_due(now=t0 + IDLE_AUDIT_QUIET_S)  # the spell began half a spell ago
+    assert cache.idle_audit_due(now=t0 + 1.5 * IDLE_AUDIT_QUIET_S)
