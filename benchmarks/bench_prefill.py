@@ -1,7 +1,7 @@
 """Prefill latency in-process: a prompt cold, and a short extension of a cached prompt (a hit).
 
     python -m benchmarks.bench_prefill [--configs flash8] [--lengths 1024,16384] [--new 32]
-        [--weights fp8] [--chunk 8192] [--reps 5] [--vary] [--device cuda]
+        [--weights fp8] [--chunk 8192] [--reps 5] [--vary] [--census N] [--device cuda]
 
 What a server's time to first token is made of, SGLang's scheduler left out. Per config x length:
 ``cold``: the whole prompt through ``V4Model.forward`` over the serving cache
@@ -13,6 +13,10 @@ Columns: median ms; the graphs Dynamo compiled during the timed runs (0 unless a
 recompile the fused regions); on a GPU kernel launches, host syncs and GPU busy % per prefill
 (torch profiler, as ``bench_decode``). ``--vary``: each timed run one token shorter (cold) or
 longer (hit) than the one before, as a server's requests are: whether new lengths recompile.
+``--census N``: after each case's timings, where one run of it goes: on a GPU its kernel launches
+by the package function that issued them (``profile_decode.launch_census``); from a trace with
+Python stacks, its host time by function (``profile_server.summarise``): a hit's 32 tokens spend a
+few ms in kernels of a server TTFT near 80 ms (session 20), and this says which code holds the rest.
 Set beside the server's TTFT (``serve_sweep --hit-lengths``), the difference is the work outside
 ``V4Model.forward``: SGLang's and our model class's.
 """
@@ -85,8 +89,42 @@ def prompt_cache(model: V4Model, length: int, new: int, chunk: int, device: str,
     return cache, base, ids
 
 
+def census_lines(case: PrefillCase, top: int) -> list[str]:
+    """Markdown lines: one run of ``case`` by launch site (GPU), then its host time by Python
+    function, from a profiler trace with Python stacks."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profile_server import summarise
+
+    lines, activities = [], [ProfilerActivity.CPU]
+    gpu = torch.device(case.cache.device).type == "cuda"
+    if gpu:
+        from benchmarks.profile_decode import launch_census
+
+        launches, sites = launch_census(case)
+        lines = [f"launches by call site ({launches} in one run; kernel ms = their GPU time):",
+                 "| launches | kernel ms | where (innermost <- caller) |", "|---|---|---|"]
+        lines += [f"| {n} | {ms:.3f} | {site} |" for site, n, ms in sites[:top]] + [""]
+        activities.append(ProfilerActivity.CUDA)
+    sync(str(case.cache.device))
+    with profile(activities=activities, with_stack=True) as prof:
+        case.step()
+        sync(str(case.cache.device))
+    fd, trace = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(trace)
+        lines += summarise(trace, top, thread="bench_prefill.py")
+    finally:
+        os.remove(trace)
+    return lines
+
+
 def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int, reps: int, device: str,
-               profile: bool, vary: bool = False) -> list[str]:
+               profile: bool, vary: bool = False, census: int = 0) -> list[str]:
     from torch._dynamo.utils import counters
 
     extra = reps + 1 if vary else 0
@@ -120,6 +158,9 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
             rows.append(f"| {name} | {weights} | {kind} | {length} | {tokens}{' (varied)' if vary else ''} "
                         f"| {1e3 * statistics.median(times):.1f} | {graphs} {stats} {first_s:.1f} |")
             print(rows[-1], flush=True)
+            if census:
+                print(f"\n### {name} {weights} {kind} {length}\n" + "\n".join(census_lines(case, census)) + "\n",
+                      flush=True)
     return rows
 
 
@@ -133,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vary", action="store_true", help="each timed run a new length (a server's requests)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--census", type=int, default=0, metavar="N",
+                    help="after each case, its top N launch sites (GPU) and host functions (see the docstring)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     profile = args.device.startswith("cuda")
@@ -143,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.configs.split(","):
         for weights in args.weights.split(","):
-            rows += run_config(name, weights, lengths, args.new, args.chunk, args.reps, args.device, profile, args.vary)
+            rows += run_config(name, weights, lengths, args.new, args.chunk, args.reps, args.device, profile,
+                               args.vary, args.census)
     print(f"\n{compile_summary()}\n\n{header}\n" + "\n".join(rows))
     return 0
 

@@ -73,8 +73,10 @@ def _wait_trace(trace_dir: str, before: set[str], timeout: float = 300.0) -> str
     raise RuntimeError(f"no trace appeared in {trace_dir} within {timeout:.0f} s")
 
 
-def summarise(path: str, top: int) -> list[str]:
-    """Markdown lines: the trace's span, its GPU kernels, blocking runtime calls, Python functions."""
+def summarise(path: str, top: int, thread: str = "run_event_loop") -> list[str]:
+    """Markdown lines: the trace's span, its GPU kernels, blocking runtime calls, Python functions
+    (those of the threads where a Python function whose name holds ``thread`` ran: SGLang's
+    scheduler loop by default; an in-process harness names its own)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -103,7 +105,7 @@ def summarise(path: str, top: int) -> list[str]:
     # the scheduler's own thread (the one running its event loop): inclusive time of SGLang's and
     # our functions (an occurrence nested in one of the same name counted once), and a flat profile
     # of self time over Python functions, torch ops and runtime calls
-    loop_tids = {e["tid"] for e in events if e.get("cat") == "python_function" and "run_event_loop" in e["name"]}
+    loop_tids = {e["tid"] for e in events if e.get("cat") == "python_function" and thread in e["name"]}
     mine = sorted((e for e in events if e["tid"] in loop_tids and e.get("cat") in HOST_CATS),
                   key=lambda e: (e["ts"], -e["dur"]))
     inclusive: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -124,10 +126,10 @@ def summarise(path: str, top: int) -> list[str]:
             inclusive[e["name"]][1] += e["dur"] / 1e3
     for _, name, us in stack:
         own[name] += us
-    lines += ["", "| SGLang / sglang_dsv4 function, scheduler thread (inclusive) | calls | ms |", "|---|---|---|"]
+    lines += ["", f"| SGLang / sglang_dsv4 function, {thread} thread (inclusive) | calls | ms |", "|---|---|---|"]
     lines += [f"| {_short(k)} | {n} | {ms:.1f} |"
               for k, (n, ms) in sorted(inclusive.items(), key=lambda x: -x[1][1])[:top]]
-    lines += ["", "| self time, scheduler thread (Python function, torch op or runtime call) | ms |", "|---|---|"]
+    lines += ["", f"| self time, {thread} thread (Python function, torch op or runtime call) | ms |", "|---|---|"]
     lines += [f"| {_short(k)} | {us / 1e3:.1f} |" for k, us in sorted(own.items(), key=lambda x: -x[1])[:top]]
     return lines
 

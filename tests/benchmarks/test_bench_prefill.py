@@ -28,3 +28,19 @@ def test_a_hit_resumes_from_the_snapshot_and_equals_the_sequence_cold():
     st = cold_cache.bind(1, 1, 0)
     hidden = model.forward(cold_cache, [st], [torch.cat([prompt, hit.ids])], return_hidden=True)[0]
     assert torch.equal(hit.last_hidden, hidden[-1:])
+
+
+def test_the_census_traces_a_run_and_names_the_model_functions_it_spent_time_in():
+    """``--census`` on the CPU: the run's host time by function, from the harness's own thread."""
+    from benchmarks.bench_prefill import census_lines
+
+    length, new = 40, 5
+    cfg = make_config("micro", length + new + 8)
+    model = V4Model(cfg, bench_weights(cfg, "cpu", "bf16"))
+    gen = torch.Generator().manual_seed(0)
+    cache, base, _ = prompt_cache(model, length, new, 64, "cpu", gen)
+    hit = PrefillCase(model, cache, "hit", length, new, 64, base, gen)
+    lines = census_lines(hit, top=40)
+    inclusive = {row.split(" | ")[0].lstrip("| "): row for row in lines if row.startswith("| sglang_dsv4/")}
+    assert any(name.endswith(": forward_step") for name in inclusive), lines
+    assert any(row.startswith("| aten::") for row in lines)  # the flat self-time table holds torch ops
