@@ -1,7 +1,8 @@
 """Prefill latency in-process: a prompt cold, and a short extension of a cached prompt (a hit).
 
     python -m benchmarks.bench_prefill [--configs flash8] [--lengths 1024,16384] [--new 32]
-        [--weights fp8] [--chunk 8192] [--reps 5] [--vary] [--census N] [--device cuda]
+        [--weights fp8] [--chunk 8192] [--reps 5] [--vary] [--c128-pool loop,kernel] [--census N]
+        [--device cuda]
 
 What a server's time to first token is made of, SGLang's scheduler left out. Per config x length:
 ``cold``: the whole prompt through ``V4Model.forward`` over the serving cache
@@ -13,6 +14,8 @@ Columns: median ms; the graphs Dynamo compiled during the timed runs (0 unless a
 recompile the fused regions); on a GPU kernel launches, host syncs and GPU busy % per prefill
 (torch profiler, as ``bench_decode``). ``--vary``: each timed run one token shorter (cold) or
 longer (hit) than the one before, as a server's requests are: whether new lengths recompile.
+``--c128-pool loop,kernel``: each case with the ratio-128 pooling's torch loop (a fused region
+per position) and with its one-launch kernel (``kernels.c128_pool``), side by side on one model.
 ``--census N``: after each case's timings, where one run of it goes: on a GPU its kernel launches
 by the package function that issued them (``profile_decode.launch_census``); from a trace with
 Python stacks, its host time by function (``profile_server.summarise``): a hit's 32 tokens spend a
@@ -26,12 +29,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Sequence
 
 import torch
 
 from benchmarks.bench_decode import bench_weights, compile_summary, make_config, profile_step
 from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.kernels import c128_pool
 from sglang_dsv4.srt.state import SglangV4Cache
+
+_POOL_DEFAULT = c128_pool.ENABLED
 
 
 class PrefillCase:
@@ -124,10 +131,10 @@ def census_lines(case: PrefillCase, top: int) -> list[str]:
 
 
 def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int, reps: int, device: str,
-               profile: bool, vary: bool = False, census: int = 0) -> list[str]:
+               profile: bool, vary: bool = False, census: int = 0, pools: Sequence[str] = ("loop",)) -> list[str]:
     from torch._dynamo.utils import counters
 
-    extra = reps + 1 if vary else 0
+    extra = len(pools) * reps + 1 if vary else 0
     cfg = make_config(name, max(lengths) + new + extra + 8)
     model = V4Model(cfg, bench_weights(cfg, device, weights))
     rows = []
@@ -139,28 +146,32 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
         first_s = time.perf_counter() - t0
         for kind in ("cold", "hit"):
             case = PrefillCase(model, cache, kind, length, new, chunk, base, gen, extra)
-            case.step()  # untimed: compiles for this case's shapes
-            times, graphs = [], counters["stats"]["unique_graphs"]
-            for _ in range(reps):
-                if vary:
-                    case.count += 1 if kind == "hit" else -1
-                sync(device)
-                t = time.perf_counter()
-                case.step()
-                sync(device)
-                times.append(time.perf_counter() - t)
-            graphs = counters["stats"]["unique_graphs"] - graphs
-            stats = "| - | - | - |"
-            if profile:
-                launches, syncs, busy = profile_step(case, n=2)
-                stats = f"| {launches:.0f} | {syncs:.1f} | {busy:.0f} |"
-            tokens = length if kind == "cold" else new
-            rows.append(f"| {name} | {weights} | {kind} | {length} | {tokens}{' (varied)' if vary else ''} "
-                        f"| {1e3 * statistics.median(times):.1f} | {graphs} {stats} {first_s:.1f} |")
-            print(rows[-1], flush=True)
-            if census:
-                print(f"\n### {name} {weights} {kind} {length}\n" + "\n".join(census_lines(case, census)) + "\n",
-                      flush=True)
+            for pool in pools:  # the ratio-128 pooling's path, side by side on one model and cache
+                c128_pool.ENABLED = pool == "kernel"
+                case.step()  # untimed: compiles for this case's shapes
+                times, graphs = [], counters["stats"]["unique_graphs"]
+                for _ in range(reps):
+                    if vary:
+                        case.count += 1 if kind == "hit" else -1
+                    sync(device)
+                    t = time.perf_counter()
+                    case.step()
+                    sync(device)
+                    times.append(time.perf_counter() - t)
+                graphs = counters["stats"]["unique_graphs"] - graphs
+                stats = "| - | - | - |"
+                if profile:
+                    launches, syncs, busy = profile_step(case, n=2)
+                    stats = f"| {launches:.0f} | {syncs:.1f} | {busy:.0f} |"
+                tokens = length if kind == "cold" else new
+                label = pool if pool == "loop" or device != "cpu" else "kernel (the loop: CPU)"
+                rows.append(f"| {name} | {weights} | {label} | {kind} | {length} | {tokens}{' (varied)' if vary else ''} "
+                            f"| {1e3 * statistics.median(times):.1f} | {graphs} {stats} {first_s:.1f} |")
+                print(rows[-1], flush=True)
+                if census:
+                    print(f"\n### {name} {weights} {pool} {kind} {length}\n" + "\n".join(census_lines(case, census))
+                          + "\n", flush=True)
+    c128_pool.ENABLED = _POOL_DEFAULT
     return rows
 
 
@@ -174,20 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vary", action="store_true", help="each timed run a new length (a server's requests)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--c128-pool", default="kernel" if c128_pool.ENABLED else "loop",
+                    help="the ratio-128 pooling's path(s), side by side: loop (a region per position) and/or "
+                         "kernel (kernels/c128_pool.py, one launch)")
     ap.add_argument("--census", type=int, default=0, metavar="N",
                     help="after each case, its top N launch sites (GPU) and host functions (see the docstring)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     profile = args.device.startswith("cuda")
-    header = ("| config | weights | case | prompt tokens | tokens computed | ms (median) | graphs compiled (timed) "
+    header = ("| config | weights | c128 pool | case | prompt tokens | tokens computed | ms (median) | graphs compiled (timed) "
               "| kernel launches | host syncs | GPU busy % | first prefill s (compiles) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|")
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(header, flush=True)
     rows = []
     for name in args.configs.split(","):
         for weights in args.weights.split(","):
             rows += run_config(name, weights, lengths, args.new, args.chunk, args.reps, args.device, profile,
-                               args.vary, args.census)
+                               args.vary, args.census, args.c128_pool.split(","))
     print(f"\n{compile_summary()}\n\n{header}\n" + "\n".join(rows))
     return 0
 

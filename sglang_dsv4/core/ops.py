@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
-from ..kernels import hc_split
+from ..kernels import c128_pool, hc_split
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
@@ -397,7 +397,10 @@ def online_softmax_pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width:
     i < width (tok -1: no row). -> the new state [G, 3, d].
 
     One fixed order (position by position) whatever the chunking, so a group's pooled value does
-    not depend on where a prefill chunk started inside it."""
+    not depend on where a prefill chunk started inside it. Opted in on the GPU: one launch for
+    all positions (``kernels.c128_pool``) instead of one region per position."""
+    if c128_pool.preferred(a, s, state):
+        return c128_pool.pool(a, s, tok, state, width)
     m, total, acc = state.unbind(1)
     for i in range(width):
         m, total, acc = _absorb_position(m, total, acc, a, s, tok[:, i])

@@ -1,0 +1,92 @@
+"""``kernels.c128_pool`` on the GPU: the one-launch pooling against the loop it replaces (its
+eager ops and its compiled region), a segment continued across calls to the same bits, graph
+replay, and a tiny model's prefill + decode with the kernel opted in against the loop. Run the
+GPU suite again with ``SGLANG_DSV4_C128_POOL=kernel`` for the step's own properties with it
+(graph replay = eager, batched = per-request, the deterministic mode's resumed = cold)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv4.core import ops
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.kernels import c128_pool
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _case(T: int, d: int, width: int, G: int, seed: int):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    a = torch.randn(T, d, generator=g, device=DEV) * 3
+    s = torch.randn(T, d, generator=g, device=DEV) * 4
+    tok = torch.randint(0, T, (G, width), generator=g, device=DEV)
+    tok[0, width // 2:] = -1
+    empty = torch.stack((torch.full((d,), float("-inf"), device=DEV), torch.zeros(d, device=DEV),
+                         torch.zeros(d, device=DEV)))
+    state = torch.cat([empty[None], torch.rand(G - 1, 3, d, generator=g, device=DEV)]) if G > 1 else empty[None]
+    return a, s, tok, state
+
+
+def _loop(a, s, tok, state, width, absorb):
+    m, total, acc = state.unbind(1)
+    for i in range(width):
+        m, total, acc = absorb(m, total, acc, a, s, tok[:, i])
+    return torch.stack((m, total, acc), dim=1)
+
+
+@pytest.mark.parametrize("T,d,width,G", [(32, 512, 32, 1), (2048, 512, 128, 17), (256, 512, 1, 256), (7, 96, 5, 3)])
+def test_the_kernel_pools_as_the_loop_it_replaces(T, d, width, G, capsys):
+    a, s, tok, state = _case(T, d, width, G, T + width)
+    assert c128_pool.supported(a, s, state)
+    got = c128_pool.pool(a, s, tok, state, width)
+    for name, absorb in (("eager", ops._absorb_position.eager), ("compiled", ops._absorb_position)):
+        want = _loop(a, s, tok, state, width, absorb)
+        scale = want.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1, keepdim=True) + 1e-30
+        err = float(((got - want).abs() / scale).nan_to_num(0.0).max())
+        with capsys.disabled():  # whether the bits match too: the default's next step, not a condition
+            print(f"\nc128_pool T{T} d{d} w{width} G{G} vs the {name} loop: bit-equal {torch.equal(got, want)}, "
+                  f"max error {err:.2e} of the vectors' scale")
+        assert err < 1e-6, name
+
+
+def test_a_segment_continued_across_calls_gives_the_same_bits_and_replays_from_a_graph():
+    a, s, tok, state = _case(300, 512, 128, 4, 0)
+    whole = c128_pool.pool(a, s, tok, state, 128)
+    half = c128_pool.pool(a, s, tok[:, :50].contiguous(), state, 50)
+    assert torch.equal(c128_pool.pool(a, s, tok[:, 50:].contiguous(), half, 78), whole)
+    out = c128_pool.pool(a, s, tok, state, 128)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = c128_pool.pool(a, s, tok, state, 128)
+    a2, s2, _, _ = _case(300, 512, 128, 4, 1)
+    a.copy_(a2)
+    s.copy_(s2)
+    graph.replay()
+    assert torch.equal(out, c128_pool.pool(a, s, tok, state, 128))
+
+
+def test_a_model_with_the_kernel_opted_in_follows_the_loop(tiny_gpu, serving_rows, monkeypatch):
+    """Prefill across ratio-128 group boundaries, then decode, with and without the kernel."""
+    cfg, w = tiny_gpu
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, cfg.vocab_size, (300,), generator=g).to(DEV)
+    tail = torch.randint(0, cfg.vocab_size, (8,), generator=g).to(DEV)
+
+    def run(kernel: bool):
+        monkeypatch.setattr(c128_pool, "ENABLED", kernel)
+        model = V4Model(cfg, w)
+        srv = serving_rows(cfg, 2)
+        srv.slots(0, 0, 300)
+        st = srv.cache.bind(0, 1, 0)
+        out = [model.forward(srv.cache, [st], [prompt[:170]])[0], model.forward(srv.cache, [st], [prompt[170:]])[0]]
+        for t in tail:
+            srv.slots(0, st.num_tokens, 1)
+            out.append(model.forward(srv.cache, [st], [t.view(1)])[0])
+        return torch.cat(out)
+
+    loop, kernel = run(False), run(True)
+    err = (kernel - loop).norm(dim=-1) / loop.norm(dim=-1)
+    assert err.max() < 1e-3, f"max rel err {err.max():.3g}"
+    assert (kernel.argmax(-1) == loop.argmax(-1)).float().mean() > 0.95
