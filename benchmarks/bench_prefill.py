@@ -1,8 +1,8 @@
 """Prefill latency in-process: a prompt cold, and a short extension of a cached prompt (a hit).
 
     python -m benchmarks.bench_prefill [--configs flash8] [--lengths 1024,16384] [--new 32]
-        [--weights fp8] [--chunk 8192] [--reps 5] [--vary] [--c128-pool loop,kernel] [--census N]
-        [--device cuda]
+        [--weights fp8] [--chunk 8192] [--reps 5] [--vary] [--c128-pool loop,kernel]
+        [--extend-graphs off,on] [--census N] [--device cuda]
 
 What a server's time to first token is made of, SGLang's scheduler left out. Per config x length:
 ``cold``: the whole prompt through ``V4Model.forward`` over the serving cache
@@ -15,7 +15,9 @@ recompile the fused regions); on a GPU kernel launches, host syncs and GPU busy 
 (torch profiler, as ``bench_decode``). ``--vary``: each timed run one token shorter (cold) or
 longer (hit) than the one before, as a server's requests are: whether new lengths recompile.
 ``--c128-pool loop,kernel``: each case with the ratio-128 pooling's torch loop (a fused region
-per position) and with its one-launch kernel (``kernels.c128_pool``), side by side on one model.
+per position) and with its one-launch kernel (``kernels.c128_pool``), side by side on one model;
+``--extend-graphs off,on``: without and with CUDA graphs of one request's extends
+(``core.extend_graphs``: a hit's 32 tokens, and prompts of < 256), side by side.
 ``--census N``: after each case's timings, where one run of it goes: on a GPU its kernel launches
 by the package function that issued them (``profile_decode.launch_census``); from a trace with
 Python stacks, its host time by function (``profile_server.summarise``): a hit's 32 tokens spend a
@@ -131,12 +133,20 @@ def census_lines(case: PrefillCase, top: int) -> list[str]:
 
 
 def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int, reps: int, device: str,
-               profile: bool, vary: bool = False, census: int = 0, pools: Sequence[str] = ("loop",)) -> list[str]:
+               profile: bool, vary: bool = False, census: int = 0, pools: Sequence[str] = ("loop",),
+               extend_graphs: Sequence[str] = ("off",)) -> list[str]:
     from torch._dynamo.utils import counters
 
-    extra = len(pools) * reps + 1 if vary else 0
+    from sglang_dsv4.core.extend_graphs import ExtendGraphs
+
+    if device == "cpu" and "on" in extend_graphs:
+        print("(extend graphs need a GPU: the CPU runs them off)")
+        extend_graphs = ["off"]
+    variants = [(p, g) for g in extend_graphs for p in pools]
+    extra = len(variants) * reps + 1 if vary else 0
     cfg = make_config(name, max(lengths) + new + extra + 8)
     model = V4Model(cfg, bench_weights(cfg, device, weights))
+    graphs = ExtendGraphs(model) if "on" in extend_graphs else None
     rows = []
     for length in lengths:
         gen = torch.Generator(device="cpu").manual_seed(length)
@@ -146,8 +156,9 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
         first_s = time.perf_counter() - t0
         for kind in ("cold", "hit"):
             case = PrefillCase(model, cache, kind, length, new, chunk, base, gen, extra)
-            for pool in pools:  # the ratio-128 pooling's path, side by side on one model and cache
+            for pool, graphed in variants:  # side by side on one model and cache
                 c128_pool.ENABLED = pool == "kernel"
+                model.extend_graphs = graphs if graphed == "on" else None
                 case.step()  # untimed: compiles for this case's shapes
                 times, graphs = [], counters["stats"]["unique_graphs"]
                 for _ in range(reps):
@@ -164,14 +175,16 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
                     launches, syncs, busy = profile_step(case, n=2)
                     stats = f"| {launches:.0f} | {syncs:.1f} | {busy:.0f} |"
                 tokens = length if kind == "cold" else new
-                label = pool if pool == "loop" or device != "cpu" else "kernel (the loop: CPU)"
+                label = (pool if pool == "loop" or device != "cpu" else "kernel (the loop: CPU)") + (
+                    " + extend graphs" if graphed == "on" else "")
                 rows.append(f"| {name} | {weights} | {label} | {kind} | {length} | {tokens}{' (varied)' if vary else ''} "
                             f"| {1e3 * statistics.median(times):.1f} | {graphs} {stats} {first_s:.1f} |")
                 print(rows[-1], flush=True)
                 if census:
-                    print(f"\n### {name} {weights} {pool} {kind} {length}\n" + "\n".join(census_lines(case, census))
+                    print(f"\n### {name} {weights} {label} {kind} {length}\n" + "\n".join(census_lines(case, census))
                           + "\n", flush=True)
     c128_pool.ENABLED = _POOL_DEFAULT
+    model.extend_graphs = None
     return rows
 
 
@@ -188,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--c128-pool", default="kernel" if c128_pool.ENABLED else "loop",
                     help="the ratio-128 pooling's path(s), side by side: loop (a region per position) and/or "
                          "kernel (kernels/c128_pool.py, one launch)")
+    ap.add_argument("--extend-graphs", default="off",
+                    help="off and/or on: one request's extends of < 256 tokens from CUDA graphs (core/extend_graphs.py)")
     ap.add_argument("--census", type=int, default=0, metavar="N",
                     help="after each case, its top N launch sites (GPU) and host functions (see the docstring)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     profile = args.device.startswith("cuda")
-    header = ("| config | weights | c128 pool | case | prompt tokens | tokens computed | ms (median) | graphs compiled (timed) "
+    header = ("| config | weights | path | case | prompt tokens | tokens computed | ms (median) | graphs compiled (timed) "
               "| kernel launches | host syncs | GPU busy % | first prefill s (compiles) |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(header, flush=True)
@@ -201,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.configs.split(","):
         for weights in args.weights.split(","):
             rows += run_config(name, weights, lengths, args.new, args.chunk, args.reps, args.device, profile,
-                               args.vary, args.census, args.c128_pool.split(","))
+                               args.vary, args.census, args.c128_pool.split(","), args.extend_graphs.split(","))
     print(f"\n{compile_summary()}\n\n{header}\n" + "\n".join(rows))
     return 0
 

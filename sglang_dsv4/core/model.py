@@ -124,12 +124,14 @@ class V4Model:
                 self.device, weights["embed.weight"].dtype):
             self._stack_experts()
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() is called
+        self.extend_graphs = None  # ExtendGraphs once enable_cuda_graphs(extend=True) is called
 
-    def enable_cuda_graphs(self, max_batch: int = 256) -> None:
+    def enable_cuda_graphs(self, max_batch: int = 256, extend: bool = False) -> None:
         """Replay decode steps of up to ``max_batch`` requests from CUDA graphs (captured per batch
         bucket and entry-table widths on first use; ``core.graphs``). In the deterministic mode
         there is one bucket, ``DETERMINISTIC_TILE``, whatever ``max_batch`` (every decode piece is
-        padded to it)."""
+        padded to it). ``extend``: also one request's short extends (``core.extend_graphs``; not
+        in the deterministic mode, whose pieces have one shape already)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
         if self.data_parallel is not None:
@@ -141,6 +143,10 @@ class V4Model:
             self.graphs = DecodeGraphs(self, DETERMINISTIC_TILE, buckets=(DETERMINISTIC_TILE,))
         else:
             self.graphs = DecodeGraphs(self, max_batch)
+            if extend:
+                from .extend_graphs import ExtendGraphs
+
+                self.extend_graphs = ExtendGraphs(self)
 
     def _stack_experts(self) -> None:
         """Stacked expert matrices for the GPU's grouped GEMM (bf16: ``torch._grouped_mm``; fp8:
@@ -207,6 +213,13 @@ class V4Model:
                 for req in reqs:
                     req.num_tokens += 1
                 return self._per_request(h, out, [1] * len(reqs), return_streams, return_hidden, flat)
+        if self.extend_graphs is not None:
+            replayed = self.extend_graphs.run(cache, reqs, ids)  # None: not one request's short extend
+            if replayed is not None:
+                h, out = replayed
+                n = token_lens(ids)[0]
+                reqs[0].num_tokens += n
+                return self._per_request(h, out, [n], return_streams, return_hidden, flat)
         step = build_step(reqs, ids, [r.num_tokens for r in reqs], cache.layout.scratch_slot(cache.slot_state),
                           self.device, with_c128=bool(self.cfg.c128_layers))
         step.tables = step_tables(cache, reqs, step)

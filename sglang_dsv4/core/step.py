@@ -189,6 +189,7 @@ class StepBatch:
     c128: C128Segments | None = None
     tables: StepTables | None = None
     num_real: int | None = None  # the caller's requests, before any padding ones (None: no padding)
+    grid_len: int | None = None  # ``token_grid``'s width when fixed (a captured extend), else the longest request
     # index tensors derived from the ones above, shared by every layer of the step (``derived``)
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -223,8 +224,8 @@ class StepBatch:
         return max(self.lens_host)
 
     def token_grid(self) -> Tensor:
-        """[B, L] token rows of each request's new tokens (L = the longest), -1 padded."""
-        L = self.max_len
+        """[B, L] token rows of each request's new tokens (L = ``grid_len`` or the longest), -1 padded."""
+        L = self.grid_len or self.max_len
         i = torch.arange(L, device=self.row0.device)
         lens = self.ends - self.starts
         return torch.where(i[None, :] < lens[:, None], self.row0[:, None] + i[None, :], -1)

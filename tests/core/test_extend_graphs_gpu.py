@@ -1,0 +1,98 @@
+"""CUDA graphs of short extends on the GPU (tiny preset, bf16 matrices, FlashMLA, the serving
+cache): a replay equals the same layout run eagerly bit for bit (cache hits of several lengths
+in one bucket, reusing its graph, then decode steps), follows the unpadded eager extend, never
+syncs with the host, and keeps device memory flat over many replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv4.core.extend_graphs import ExtendGraphs
+from sglang_dsv4.core.model import V4Model
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+# (prompt tokens, new tokens) in turn on one request row each: group boundaries of both ratios
+# inside, two lengths in the 32 bucket (its graph replayed with other inputs), the 256 bucket
+CASES = [(150, 7), (125, 20), (3, 30), (250, 40), (97, 200)]
+
+
+def _extend(model, srv, row, prompt, new, graphs: ExtendGraphs | None, captured: bool):
+    srv.slots(row, 0, prompt.numel() + new.numel() + 3)
+    st = srv.cache.bind(row, 1, 0)
+    model.forward(srv.cache, [st], [prompt.to(DEV)])
+    n = new.numel()
+    if graphs is None:
+        out = model.forward(srv.cache, [st], [new.to(DEV)], return_hidden=True)[0]
+    else:
+        streams, hidden = (graphs.run if captured else graphs.run_uncaptured)(srv.cache, [st], [new.to(DEV)])
+        st.num_tokens += n
+        out = hidden[:n].clone()
+    tail = [model.forward(srv.cache, [st], [t.view(1).to(DEV)], return_hidden=True)[0] for t in new[:3]]
+    return torch.cat([out] + tail)
+
+
+def _run(cfg, w, serving_rows, mode: str):
+    model = V4Model(cfg, w)
+    graphs = ExtendGraphs(model) if mode != "eager" else None
+    srv = serving_rows(cfg, len(CASES) + 1)
+    g = torch.Generator().manual_seed(4)
+    outs = []
+    for row, (L, n) in enumerate(CASES):
+        prompt, new = torch.randint(0, cfg.vocab_size, (L,), generator=g), torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        outs.append(_extend(model, srv, row, prompt, new, graphs, mode == "graphs"))
+    srv.cache.check_integrity()
+    return outs, graphs
+
+
+def test_an_extend_replayed_from_a_graph_equals_its_layout_run_eagerly(tiny_gpu, serving_rows):
+    cfg, w = tiny_gpu
+    laid_out, _ = _run(cfg, w, serving_rows, "uncaptured")
+    replayed, graphs = _run(cfg, w, serving_rows, "graphs")
+    assert [s.tokens for s in graphs.captured] == [32, 64, 256]  # the 32 bucket's graph taken twice
+    for (L, n), a, b in zip(CASES, laid_out, replayed):
+        assert torch.equal(a, b), (L, n)
+
+
+def test_an_extend_from_a_graph_follows_the_unpadded_eager_extend(tiny_gpu, serving_rows):
+    """Padding changes the GEMMs' row counts, so equal to bf16 rounding, not bit for bit."""
+    cfg, w = tiny_gpu
+    eager, _ = _run(cfg, w, serving_rows, "eager")
+    replayed, _ = _run(cfg, w, serving_rows, "graphs")
+    for (L, n), a, b in zip(CASES, eager, replayed):
+        err = (b - a).norm(dim=-1) / a.norm(dim=-1)
+        assert err.max() < 2e-2, (L, n, float(err.max()))
+
+
+def test_a_replayed_extend_never_syncs_and_memory_stays_flat(tiny_gpu, serving_rows):
+    cfg, w = tiny_gpu
+    model = V4Model(cfg, w)
+    model.enable_cuda_graphs(max_batch=4, extend=True)
+    srv = serving_rows(cfg, 3, max_len=4096)
+    g = torch.Generator().manual_seed(5)
+    srv.slots(0, 0, 100)
+    st = srv.cache.bind(0, 1, 0)
+    model.forward(srv.cache, [st], [torch.randint(0, cfg.vocab_size, (100,), generator=g).to(DEV)])
+    new = torch.randint(0, cfg.vocab_size, (24,), generator=g).to(DEV)
+
+    def extend():
+        srv.slots(0, st.num_tokens, 24)
+        return model.forward(srv.cache, [st], [new])[0]
+
+    extend()  # the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        extend()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(100):  # 2400 tokens: entries complete and pools fill as they go
+        extend()
+    torch.cuda.synchronize()
+    assert len(model.extend_graphs.captured) == 1
+    assert torch.cuda.memory_allocated() - before <= 4096
+    srv.cache.check_integrity()
