@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from .graphs import _storage
+from .graphs import _storage, capture
 from .step import (C128, CPU_TOKEN_TILE, C128Segments, StepBatch, TablePlan, TokenIds, _c128_segments,
                    flat_tokens, token_lens)
 
@@ -250,12 +250,5 @@ class ExtendGraphs:
         host = extend_inputs(shape, scratch, 0, 1, plan, scratch, {r: p.scratch_row for r, p in cache.pools.items()})
         inputs = host.to(dev)
         ids = torch.zeros(shape.tokens, dtype=torch.long, device=dev)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up on scratch rows only (kernel set-up, compilation)
-            self._body(cache, shape, inputs, ids)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            streams, hidden = self._body(cache, shape, inputs, ids)
+        graph, (streams, hidden) = capture(lambda: self._body(cache, shape, inputs, ids), self.pool)
         return _Graph(graph, ids, inputs, streams, hidden)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
+_T = TypeVar("_T")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # per-request int64 fields of the graph's input buffer, in order (then write rows, entry tables)
 _FIELDS = ("positions", "slots", "ends", "carry", "store_slot", "completes", "first_pos")
@@ -129,15 +130,22 @@ class DecodeGraphs:
             h = model.forward_step(cache, step)
             return h, model.head_input(h)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up on scratch rows only (kernel set-up, compilation)
-            body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            streams, hidden = body()
+        graph, (streams, hidden) = capture(body, self.pool)
         return _Graph(graph, ids, inputs, streams, hidden)
+
+
+def capture(body: Callable[[], _T], pool) -> tuple[torch.cuda.CUDAGraph, _T]:
+    """``body`` run once on a side stream (kernel set-up, compilation: its inputs must touch
+    scratch state only), then captured into a graph in ``pool`` -> (the graph, its outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
 
 
 def _storage(cache: V4CacheView) -> tuple[int, ...]:
