@@ -216,8 +216,10 @@ class V4Model:
         if self.extend_graphs is not None:
             replayed = self.extend_graphs.run(cache, reqs, ids)  # None: not one request's short extend
             if replayed is not None:
-                h, out = replayed
                 n = token_lens(ids)[0]
+                # copies: the replay's outputs are views of its graph's buffers, which the next
+                # replay of that graph overwrites (a chunk cut at a fork point replays it twice)
+                h, out = (t[:n].clone() for t in replayed)
                 reqs[0].num_tokens += n
                 return self._per_request(h, out, [n], return_streams, return_hidden, flat)
         step = build_step(reqs, ids, [r.num_tokens for r in reqs], cache.layout.scratch_slot(cache.slot_state),

@@ -1,7 +1,8 @@
 """CUDA graphs of short extends on the GPU (tiny preset, bf16 matrices, FlashMLA, the serving
 cache): a replay equals the same layout run eagerly bit for bit (cache hits of several lengths
 in one bucket, reusing its graph, then decode steps), follows the unpadded eager extend, never
-syncs with the host, and keeps device memory flat over many replays."""
+syncs with the host, hands the caller outputs of its own, and keeps device memory flat over many
+replays."""
 
 from __future__ import annotations
 
@@ -81,7 +82,10 @@ def test_a_replayed_extend_never_syncs_and_memory_stays_flat(tiny_gpu, serving_r
         srv.slots(0, st.num_tokens, 24)
         return model.forward(srv.cache, [st], [new])[0]
 
-    extend()  # the capture
+    first = extend()  # the capture
+    kept = first.clone()
+    extend()  # the same graph again: the first output is the caller's, not a view of its buffers
+    assert torch.equal(first, kept)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
