@@ -2,7 +2,7 @@
 many traced graphs its fused regions run, counted on the CPU (no device time needed).
 
     python -m benchmarks.count_step_ops [--config tiny] [--batch 1] [--context 600] [--top 30]
-        [--weights bf16|fp8] [--regions]
+        [--weights bf16|fp8] [--regions] [--new N]
 
 On a GPU each torch op outside a ``core.compiled.on_gpu`` function is (at least) one kernel; the
 functions themselves become a few Inductor kernels each, GEMMs stay cuBLAS / Triton, FlashMLA is
@@ -18,7 +18,8 @@ GPU (``profile_decode.py``) gives the real count.
 function, its calls in the step and the graphs they ran, then the graph breaks' reasons. A graph
 break splits a region: on the GPU each piece is at least one kernel of its own, and nothing
 fuses across the break (session 16's census: the split-K sum after a broken ``fp8_linear``).
-``--weights fp8`` runs the fp8 weight mode (the GPU benchmarks' ``--weights fp8``).
+``--weights fp8`` runs the fp8 weight mode (the GPU benchmarks' ``--weights fp8``). ``--new N``:
+each request brings N tokens (a cache hit's extend) instead of one.
 """
 
 from __future__ import annotations
@@ -143,23 +144,25 @@ def gpu_code_path() -> None:
     ops.CPU_ROW_TILE = 0  # one GEMM per linear, as on the GPU
 
 
-def decode_step(config: str, B: int, ctx: int, weights: str):
+def decode_step(config: str, B: int, ctx: int, weights: str, new: int = 1):
     """(model, cache, request states, token ids) of one decode step: B requests resuming from a
-    snapshot of one ``ctx``-token prompt (its prefill runs here), one new token each."""
-    cfg = make_config(config, ctx + 64)
+    snapshot of one ``ctx``-token prompt (its prefill runs here), one new token each; with
+    ``new`` > 1, ``new`` tokens each (B cache hits' extends)."""
+    cfg = make_config(config, ctx + new + 64)
     model = V4Model(cfg, bench_weights(cfg, "cpu", weights))
-    L = ctx + 8
+    L = ctx + new + 8
     cache = SglangV4Cache.with_own_table(cfg, B + 1, (B + 1) * L, max_seq_len=L, device="cpu", backend="torch-fp8")
     cache.req_to_token[0, :ctx] = torch.arange(1, ctx + 1, dtype=torch.int32)
     prompt = cache.bind(0, 1, 0)
     model.forward(cache, [prompt], [torch.randint(0, cfg.vocab_size, (ctx,))])
     cache.take_snapshot(prompt)
     states = []
-    for b in range(1, B + 1):  # B requests sharing the prompt, one new token each
+    for b in range(1, B + 1):  # B requests sharing the prompt, ``new`` tokens each
         cache.req_to_token[b, :ctx] = cache.req_to_token[0, :ctx]
-        cache.req_to_token[b, ctx] = ctx + b
+        cache.req_to_token[b, ctx:ctx + new] = torch.arange(ctx + 1 + (b - 1) * new, ctx + 1 + b * new,
+                                                            dtype=torch.int32)
         states.append(cache.bind(b, 1, ctx))
-    ids = [torch.randint(0, cfg.vocab_size, (1,)) for _ in range(B)]
+    ids = [torch.randint(0, cfg.vocab_size, (new,)) for _ in range(B)]
     return model, cache, states, ids
 
 
@@ -171,13 +174,14 @@ def region_census(args) -> None:
     # every region traces once per shape family and argument variant, as on the GPU (core.compiled)
     with torch._dynamo.config.patch(recompile_limit=compiled.RECOMPILE_LIMIT,
                                     accumulated_recompile_limit=16 * compiled.RECOMPILE_LIMIT):
-        model, cache, states, ids = decode_step(args.config, args.batch, args.context, args.weights)
+        model, cache, states, ids = decode_step(args.config, args.batch, args.context, args.weights, args.new)
         regions.reset()
         model.forward(cache, states, ids, flat=True)
     calls, graphs = sum(regions.calls.values()), sum(regions.graphs.values())
     cfg = model.cfg
     print(f"{args.config}: {cfg.num_hidden_layers} layers, batch {args.batch}, context {args.context}, "
-          f"{args.weights} weights: {calls} fused-region calls ran {graphs} traced graphs in one decode step "
+          f"{args.new} new token(s) each, {args.weights} weights: {calls} fused-region calls ran {graphs} traced "
+          f"graphs in one step "
           f"({graphs - calls:+d} against one a call: a graph break adds one, a region left all eager by "
           f"one, e.g. a lone kernel launch, runs none)")
     print("\n| calls | graphs | region |\n|---|---|---|")
@@ -197,6 +201,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
     ap.add_argument("--regions", action="store_true", help="count the fused regions' traced graphs instead")
+    ap.add_argument("--new", type=int, default=1, help="new tokens per request (> 1: cache hits' extends)")
     args = ap.parse_args()
     if args.regions:
         return region_census(args)
@@ -204,7 +209,7 @@ def main() -> None:
     wrap_regions(regions.wrap)
     gpu_code_path()
     B, ctx = args.batch, args.context
-    model, cache, states, ids = decode_step(args.config, B, ctx, args.weights)
+    model, cache, states, ids = decode_step(args.config, B, ctx, args.weights, args.new)
     cfg = model.cfg
     decode_calls = 0
     decode = sparse_mla.SparseMLABackend._decode
@@ -220,7 +225,7 @@ def main() -> None:
         model.forward(cache, states, ids, flat=True)
     total = sum(census.counts.values())
     print(f"{args.config}: {cfg.num_hidden_layers} layers (ratios {list(cfg.compress_ratios)}), batch {B}, "
-          f"context {ctx}: {total} ops outside the fused regions in one decode step")
+          f"context {ctx}, {args.new} new token(s) each: {total} ops outside the fused regions in one step")
     print(f"layers through the decode kernel's path: {decode_calls}")
     print("\n| ops | where |\n|---|---|")
     for site, n in census.counts.most_common(args.top):
