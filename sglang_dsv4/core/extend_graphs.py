@@ -1,21 +1,22 @@
-"""CUDA graphs of short extends: one request's few new tokens (a cache hit's tail, a follow-up
-turn), padded to a token bucket and replayed.
+"""CUDA graphs of short extends: a few requests' few new tokens (a cache hit's tail, a follow-up
+turn, a short prompt), padded to a token bucket and replayed.
 
 A cache hit of 32 tokens on flash8 (8 layers, fp8) spends 6-7 ms in ~1400 kernels of a ~75 ms
 forward (session 20, in-process and in the server): the eager extend is host-bound. Its kernels
-depend only on shapes once it is laid out like this: T tokens (the request's n plus a padding
-request of T - n >= 1 at position 0 in the scratch slot, as ``step.pad_step`` pads), two requests,
-``G`` ratio-128 segments of ``W`` positions (the request's own, then empty ones that store their
-state to the scratch slot and complete nothing) and the entry-table widths. So the step from the
-cache's device-side table work through the final norm is captured once per (T, widths) and
-replayed after one host-to-device copy of its inputs, as ``core.graphs`` does for decode steps.
+depend only on shapes once it is laid out like this: T tokens (the B requests' n plus a padding
+request of T - n >= 1 at position 0 in the scratch slot, as ``step.pad_step`` pads), B + 1
+requests, ``G`` ratio-128 segments of ``W`` positions (the requests' own, then empty ones that
+store their state to the scratch slot and complete nothing) and the entry-table widths. So the
+step from the cache's device-side table work through the final norm is captured once per (T, B,
+widths) and replayed after one host-to-device copy of its inputs, as ``core.graphs`` does for
+decode steps.
 
 The host side of a replay: ``plan_tables`` (entry rows for the groups the tokens complete), one
 int64 vector of the step's fields (``extend_inputs``) and the token ids. The same body runs
 without capture on any device (``ExtendGraphs.run_uncaptured``): the CPU tests hold it to the
-eager step, bit for bit. Not taken: several requests in one extend (SGLang's batched prefills
-stay eager), the deterministic mode (its pieces have their own fixed shape), data-parallel
-attention (a host exchange starts each step).
+eager step, bit for bit. Not taken: extends of more than ``MAX_REQUESTS`` requests or 255
+tokens (they stay eager), the deterministic mode (its pieces have their own fixed shape),
+data-parallel attention (a host exchange starts each step).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
-EXTEND_BUCKETS = (32, 64, 128, 256)  # token counts (the request's tokens + at least one padding token)
+EXTEND_BUCKETS = (32, 64, 128, 256)  # token counts (the requests' tokens + at least one padding token)
+MAX_REQUESTS = 8  # requests of one extend a graph takes (SGLang batches prefills that arrive together)
 # per-token int64 fields of the input buffer, in order; then the write rows per ratio [T] each,
-# the per-request fields [2] each, the ratio-128 segments, and host-built entry tables if any
+# the per-request fields [B + 1] each, the ratio-128 segments, and host-built entry tables if any
 _TOKEN_FIELDS = ("positions", "tok_req")
 _REQ_FIELDS = ("row0", "slots", "starts", "ends")
 _SEG_FIELDS = ("carry", "store_slot", "completes", "last_tok", "first_pos")
@@ -49,53 +51,59 @@ _SEG_FIELDS = ("carry", "store_slot", "completes", "last_tok", "first_pos")
 
 @dataclass(frozen=True)
 class ExtendShape:
-    """The fixed shape of a captured extend: T tokens, G ratio-128 segments of W positions, and
-    the entry tables' widths per ratio."""
+    """The fixed shape of a captured extend: T tokens of B requests (and a padding request), G
+    ratio-128 segments of W positions, and the entry tables' widths per ratio."""
 
     tokens: int
+    requests: int
     segments: int
     seg_width: int
     widths: tuple[tuple[int, int], ...]  # (ratio, width), ratios ascending
     host_entries: bool                   # the reference cache builds entry tables on the host
 
     def size(self) -> int:
-        T, G, R = self.tokens, self.segments, len(self.widths)
-        n = len(_TOKEN_FIELDS) * T + R * T + len(_REQ_FIELDS) * 2 + G * self.seg_width + len(_SEG_FIELDS) * G
-        return n + (sum(2 * w for _, w in self.widths) if self.host_entries else 0)
+        T, B, G, R = self.tokens, self.requests + 1, self.segments, len(self.widths)
+        n = len(_TOKEN_FIELDS) * T + R * T + len(_REQ_FIELDS) * B + G * self.seg_width + len(_SEG_FIELDS) * G
+        return n + (sum(B * w for _, w in self.widths) if self.host_entries else 0)
 
 
-def extend_shape(tokens: int, widths: dict[int, int], host_entries: bool, device: torch.device) -> ExtendShape:
-    """The shape of an extend padded to ``tokens``: segments enough for any n < tokens new tokens
-    starting anywhere (a group boundary inside at most every 128 positions, one more for the
-    start), padded as ``step.build_step`` pads them on the CPU (see ``CPU_TOKEN_TILE``)."""
-    segments = (tokens - 2) // C128 + 2
+def extend_shape(tokens: int, requests: int, widths: dict[int, int], host_entries: bool,
+                 device: torch.device) -> ExtendShape:
+    """The shape of an extend of ``requests`` requests padded to ``tokens``: segments enough for
+    any split of fewer than ``tokens`` new tokens starting anywhere (in each request a group
+    boundary at most every 128 positions, one segment more for its start), padded as
+    ``step.build_step`` pads them on the CPU (see ``CPU_TOKEN_TILE``)."""
+    segments = (tokens - 2) // C128 + 2 * requests
     if device.type == "cpu":
         segments = -(-segments // CPU_TOKEN_TILE) * CPU_TOKEN_TILE
-    return ExtendShape(tokens, segments, min(C128, tokens), tuple(sorted(widths.items())), host_entries)
+    return ExtendShape(tokens, requests, segments, min(C128, tokens), tuple(sorted(widths.items())), host_entries)
 
 
-def extend_inputs(shape: ExtendShape, slot: int, start: int, n: int, plan: TablePlan, scratch_slot: int,
-                  scratch_rows: dict[int, int]) -> Tensor:
-    """An extend's int64 inputs on the host, in ``input_views``' order: request ``slot`` brings
-    ``n`` tokens from position ``start``; a padding request (the scratch slot, every token at
-    position 0, completing nothing) fills the shape's tokens; its ratio-128 segments are the
-    request's, then empty ones (no rows; state to the scratch slot)."""
-    T, G, W = shape.tokens, shape.segments, shape.seg_width
-    if not 1 <= n < T:
-        raise ValueError(f"extend of {n} tokens in a shape of {T} (1 <= n < {T})")
-    pad = T - n
+def extend_inputs(shape: ExtendShape, slots: Sequence[int], starts: Sequence[int], lens: Sequence[int],
+                  plan: TablePlan, scratch_slot: int, scratch_rows: dict[int, int]) -> Tensor:
+    """An extend's int64 inputs on the host, in ``input_views``' order: request i (slot
+    ``slots[i]``) brings ``lens[i]`` tokens from position ``starts[i]``; a padding request (the
+    scratch slot, every token at position 0, completing nothing) fills the shape's tokens; the
+    ratio-128 segments are the requests', then empty ones (no rows; state to the scratch slot)."""
+    T, B, G, W = shape.tokens, shape.requests, shape.segments, shape.seg_width
+    st, ln = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+    n = int(ln.sum())
+    if len(st) != B or (ln < 1).any() or not n < T:
+        raise ValueError(f"extend of {list(lens)} tokens in a shape of {B} requests and {T} tokens")
+    row0 = np.cumsum(ln) - ln
+    tok_req = np.full(T, B, dtype=np.int64)
+    tok_req[:n] = np.repeat(np.arange(B), ln)
     positions = np.zeros(T, dtype=np.int64)
-    positions[:n] = np.arange(start, start + n)
-    tok_req = np.ones(T, dtype=np.int64)
-    tok_req[:n] = 0
+    positions[:n] = st[tok_req[:n]] + np.arange(n) - row0[tok_req[:n]]
     parts = [positions, tok_req]
     for r, _ in shape.widths:
         w = np.full(T, scratch_rows[r], dtype=np.int64)
         w[:n] = plan.write[r].numpy()
         parts.append(w)
-    parts += [np.array(v, dtype=np.int64) for v in ([0, n], [slot, scratch_slot], [start, 0], [start + n, pad])]
-    seg = _c128_segments(torch.tensor([start]), torch.tensor([n]), torch.tensor([0]), torch.tensor([slot]),
-                         scratch_slot)
+    parts += [np.append(row0, n), np.append(np.asarray(slots, dtype=np.int64), scratch_slot), np.append(st, 0),
+              np.append(st + ln, T - n)]
+    seg = _c128_segments(torch.from_numpy(st), torch.from_numpy(ln), torch.from_numpy(row0),
+                         torch.tensor(list(slots), dtype=torch.long), scratch_slot)
     g, w = seg.tok.shape
     if g > G or w > W:
         raise ValueError(f"{g} ratio-128 segments of {w} positions exceed the shape's {G} x {W}")
@@ -109,8 +117,8 @@ def extend_inputs(shape: ExtendShape, slot: int, start: int, n: int, plan: Table
         parts.append(col)
     if shape.host_entries:  # the reference cache: its tables, and -1 for the padding request
         for r, width in shape.widths:
-            tab = np.full((2, width), -1, dtype=np.int64)
-            tab[0] = plan.entries[r].numpy()[0]
+            tab = np.full((B + 1, width), -1, dtype=np.int64)
+            tab[:B] = plan.entries[r].numpy()
             parts.append(tab.reshape(-1))
     out = torch.from_numpy(np.concatenate(parts))
     assert out.numel() == shape.size()
@@ -119,7 +127,7 @@ def extend_inputs(shape: ExtendShape, slot: int, start: int, n: int, plan: Table
 
 def input_views(inputs: Tensor, shape: ExtendShape):
     """Views of an extend's input buffer -> (fields by name, write rows, entry tables or None)."""
-    T, G, W = shape.tokens, shape.segments, shape.seg_width
+    T, B, G, W = shape.tokens, shape.requests + 1, shape.segments, shape.seg_width
     f, off = {}, 0
 
     def take(n: int) -> Tensor:
@@ -131,29 +139,29 @@ def input_views(inputs: Tensor, shape: ExtendShape):
         f[name] = take(T)
     write = {r: take(T) for r, _ in shape.widths}
     for name in _REQ_FIELDS:
-        f[name] = take(2)
+        f[name] = take(B)
     f["seg_tok"] = take(G * W).view(G, W)
     for name in _SEG_FIELDS:
         f[f"seg_{name}"] = take(G)
-    entries = {r: take(2 * w).view(2, w) for r, w in shape.widths} if shape.host_entries else None
+    entries = {r: take(B * w).view(B, w) for r, w in shape.widths} if shape.host_entries else None
     return f, write, entries
 
 
 def extend_step(f: dict[str, Tensor], ids: Tensor, shape: ExtendShape, scratch_slot: int,
                 with_c128: bool) -> StepBatch:
     """The StepBatch over ``input_views``' fields. Its host lists only carry what the step's
-    shapes read (two requests, not a decode step: ``lens_host`` holds placeholders, the token
+    shapes read (B + 1 requests, not a decode step: ``lens_host`` holds placeholders, the token
     grid is the shape's width); the real lengths are values in the device fields."""
-    T = shape.tokens
+    T, B = shape.tokens, shape.requests
     seg = None
     if with_c128:
         seg = C128Segments(tok=f["seg_tok"], carry=f["seg_carry"] != 0, store_slot=f["seg_store_slot"],
                            completes=f["seg_completes"] != 0, last_tok=f["seg_last_tok"],
                            first_pos=f["seg_first_pos"], width=shape.seg_width)
     return StepBatch(ids=ids, positions=f["positions"], tok_req=f["tok_req"], row0=f["row0"], slots=f["slots"],
-                     starts=f["starts"], ends=f["ends"], scratch_slot=scratch_slot, starts_host=[0, 0],
-                     lens_host=[T - 1, 1], positions_host=torch.zeros(T, dtype=torch.long), c128=seg,
-                     num_real=1, grid_len=T)
+                     starts=f["starts"], ends=f["ends"], scratch_slot=scratch_slot, starts_host=[0] * (B + 1),
+                     lens_host=[T - B] + [1] * B, positions_host=torch.zeros(T, dtype=torch.long), c128=seg,
+                     num_real=B, grid_len=T)
 
 
 @dataclass
@@ -168,8 +176,8 @@ class _Graph:
 class ExtendGraphs:
     """The captured short extends of one model over one cache (see module docstring)."""
 
-    def __init__(self, model: V4Model, buckets: tuple[int, ...] = EXTEND_BUCKETS):
-        self.model, self.buckets = model, tuple(sorted(buckets))
+    def __init__(self, model: V4Model, buckets: tuple[int, ...] = EXTEND_BUCKETS, max_requests: int = MAX_REQUESTS):
+        self.model, self.buckets, self.max_requests = model, tuple(sorted(buckets)), max_requests
         self.graphs: weakref.WeakKeyDictionary[V4CacheView, dict[tuple, _Graph]] = weakref.WeakKeyDictionary()
         self.pool = None  # the graphs' private memory pool, from the first capture on
         self.captured: list[ExtendShape] = []
@@ -179,21 +187,24 @@ class ExtendGraphs:
         return next((b for b in self.buckets if b > n), None)
 
     def takes(self, reqs: Sequence[RequestState], ids: TokenIds) -> bool:
-        """Whether ``run`` takes this step: one request with 2.. tokens (decode steps have their
-        own graphs) within the largest bucket."""
-        if len(reqs) != 1:
+        """Whether ``run`` takes this step: up to ``max_requests`` requests, not all with one token
+        (a decode step: its own graphs), within the largest bucket."""
+        if not 1 <= len(reqs) <= self.max_requests:
             return False
-        n = token_lens(ids)[0]
-        return n >= 2 and self.bucket(n) is not None
+        lens = token_lens(ids)
+        return max(lens) >= 2 and min(lens) >= 1 and self.bucket(sum(lens)) is not None
 
     def _prepare(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds):
-        req, n = reqs[0], token_lens(ids)[0]
-        start = req.num_tokens
-        plan = cache.plan_tables(reqs, [start], [n], torch.arange(start, start + n))
-        shape = extend_shape(self.bucket(n), plan.widths, plan.entries is not None, self.model.device)
-        host = extend_inputs(shape, req.slot, start, n, plan, cache.layout.scratch_slot(cache.slot_state),
+        lens = token_lens(ids)
+        starts = [r.num_tokens for r in reqs]
+        positions = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]))
+        plan = cache.plan_tables(reqs, starts, lens, positions)
+        shape = extend_shape(self.bucket(sum(lens)), len(reqs), plan.widths, plan.entries is not None,
+                             self.model.device)
+        host = extend_inputs(shape, [r.slot for r in reqs], starts, lens, plan,
+                             cache.layout.scratch_slot(cache.slot_state),
                              {r: p.scratch_row for r, p in cache.pools.items()})
-        return shape, host, n
+        return shape, host, sum(lens)
 
     def _body(self, cache: V4CacheView, shape: ExtendShape, inputs: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """The step from the input buffer on: what a graph holds."""
@@ -207,7 +218,7 @@ class ExtendGraphs:
     def run_uncaptured(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds
                        ) -> tuple[Tensor, Tensor]:
         """``run``'s step, laid out as a graph holds it, run directly (any device): -> (streams,
-        hidden) of all T rows (the request's n first)."""
+        hidden) of all T rows (the requests' n first, in order)."""
         shape, host, n = self._prepare(cache, reqs, ids)
         dev = self.model.device
         padded = torch.zeros(shape.tokens, dtype=torch.long, device=dev)
@@ -215,8 +226,8 @@ class ExtendGraphs:
         return self._body(cache, shape, host.to(dev), padded)
 
     def run(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds) -> tuple[Tensor, Tensor] | None:
-        """(streams [T, hc, D], hidden [T, D]) of the extend by graph replay (rows n.. are padding),
-        or None when ``takes`` declines the step."""
+        """(streams [T, hc, D], hidden [T, D]) of the extend by graph replay (the requests' n rows
+        first, in order; the rest padding), or None when ``takes`` declines the step."""
         if not self.takes(reqs, ids):
             return None
         shape, host, n = self._prepare(cache, reqs, ids)
@@ -230,8 +241,8 @@ class ExtendGraphs:
                 self.pool = torch.cuda.graph_pool_handle()  # (a pool dies with its last graph)
             g = graphs[key] = self._capture(cache, shape)
             self.captured.append(shape)
-            logger.info("sglang_dsv4: captured the extend step for %d tokens (entry widths %s)", shape.tokens,
-                        dict(shape.widths))
+            logger.info("sglang_dsv4: captured the extend step for %d request(s), %d tokens (entry widths %s)",
+                        shape.requests, shape.tokens, dict(shape.widths))
         g.inputs.copy_(host.pin_memory(), non_blocking=True)
         g.ids[:n].copy_(flat_tokens(ids).to(g.ids.device, non_blocking=True))
         g.ids[n:].zero_()  # the padding request's tokens: the same whatever the request before
@@ -241,13 +252,15 @@ class ExtendGraphs:
     def _capture(self, cache: V4CacheView, shape: ExtendShape) -> _Graph:
         dev = self.model.device
         scratch = cache.layout.scratch_slot(cache.slot_state)
-        # an all-padding step for the warm-up and the capture: every token the scratch slot's at
-        # position 0, scratch write rows, empty segments and entry tables
-        plan = TablePlan({r: torch.full((1,), cache.pools[r].scratch_row, dtype=torch.long) for r, _ in shape.widths},
+        # an all-padding step for the warm-up and the capture: every request the scratch slot's,
+        # one token each at position 0, scratch write rows, empty segments and entry tables
+        B = shape.requests
+        plan = TablePlan({r: torch.full((B,), cache.pools[r].scratch_row, dtype=torch.long) for r, _ in shape.widths},
                          None, dict(shape.widths))
         if shape.host_entries:
-            plan.entries = {r: torch.full((1, w), -1, dtype=torch.long) for r, w in shape.widths}
-        host = extend_inputs(shape, scratch, 0, 1, plan, scratch, {r: p.scratch_row for r, p in cache.pools.items()})
+            plan.entries = {r: torch.full((B, w), -1, dtype=torch.long) for r, w in shape.widths}
+        host = extend_inputs(shape, [scratch] * B, [0] * B, [1] * B, plan, scratch,
+                             {r: p.scratch_row for r, p in cache.pools.items()})
         inputs = host.to(dev)
         ids = torch.zeros(shape.tokens, dtype=torch.long, device=dev)
         graph, (streams, hidden) = capture(lambda: self._body(cache, shape, inputs, ids), self.pool)

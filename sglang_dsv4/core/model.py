@@ -130,8 +130,8 @@ class V4Model:
         """Replay decode steps of up to ``max_batch`` requests from CUDA graphs (captured per batch
         bucket and entry-table widths on first use; ``core.graphs``). In the deterministic mode
         there is one bucket, ``DETERMINISTIC_TILE``, whatever ``max_batch`` (every decode piece is
-        padded to it). ``extend``: also one request's short extends (``core.extend_graphs``; not
-        in the deterministic mode, whose pieces have one shape already)."""
+        padded to it). ``extend``: also short extends of a few requests (``core.extend_graphs``;
+        not in the deterministic mode, whose pieces have one shape already)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
         if self.data_parallel is not None:
@@ -214,14 +214,15 @@ class V4Model:
                     req.num_tokens += 1
                 return self._per_request(h, out, [1] * len(reqs), return_streams, return_hidden, flat)
         if self.extend_graphs is not None:
-            replayed = self.extend_graphs.run(cache, reqs, ids)  # None: not one request's short extend
+            replayed = self.extend_graphs.run(cache, reqs, ids)  # None: not a short extend
             if replayed is not None:
-                n = token_lens(ids)[0]
+                lens = token_lens(ids)
                 # copies: the replay's outputs are views of its graph's buffers, which the next
                 # replay of that graph overwrites (a chunk cut at a fork point replays it twice)
-                h, out = (t[:n].clone() for t in replayed)
-                reqs[0].num_tokens += n
-                return self._per_request(h, out, [n], return_streams, return_hidden, flat)
+                h, out = (t[:sum(lens)].clone() for t in replayed)
+                for req, n in zip(reqs, lens):
+                    req.num_tokens += n
+                return self._per_request(h, out, lens, return_streams, return_hidden, flat)
         step = build_step(reqs, ids, [r.num_tokens for r in reqs], cache.layout.scratch_slot(cache.slot_state),
                           self.device, with_c128=bool(self.cfg.c128_layers))
         step.tables = step_tables(cache, reqs, step)

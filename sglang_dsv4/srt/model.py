@@ -247,15 +247,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         if int(max_bs) <= 0:
             logger.info("sglang_dsv4: CUDA graphs of the decode step are off")
             return
-        # one request's short extends too, opted in (SGLANG_DSV4_EXTEND_GRAPHS=1) until a GPU run has
-        # compared their replay with the eager step and timed a cache hit with them
+        # short extends too (up to 8 requests, < 256 tokens), opted in (SGLANG_DSV4_EXTEND_GRAPHS=1)
+        # until a GPU run has compared their replay with the eager step and timed a cache hit with them
         extend = os.environ.get("SGLANG_DSV4_EXTEND_GRAPHS", "0") == "1"
         self.core.enable_cuda_graphs(int(max_bs), extend=extend)
         logger.info("sglang_dsv4: CUDA graphs of the decode step on, batch buckets %s (captured on first use)",
                     list(self.core.graphs.buckets))
         if self.core.extend_graphs is not None:
-            logger.info("sglang_dsv4: CUDA graphs of one request's extends on, token buckets %s",
-                        list(self.core.extend_graphs.buckets))
+            logger.info("sglang_dsv4: CUDA graphs of extends on: up to %d requests, token buckets %s",
+                        self.core.extend_graphs.max_requests, list(self.core.extend_graphs.buckets))
 
     def attach_sglang_pools(self, req_to_token_pool, token_allocator, enable_metrics: bool = False) -> None:
         """Build the V4 cache beside SGLang's pools: one slot state per request row, one entry

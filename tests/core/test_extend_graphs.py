@@ -26,42 +26,46 @@ def _reference(cfg):
     return V4Cache(cfg, max_requests=4, max_total_tokens=4 * MAX_LEN, max_seq_len=MAX_LEN)
 
 
-def _request(cache):
+def _request(cache, row: int = 0):
     if isinstance(cache, V4Cache):
         return cache.new_request()
-    return cache.bind(0, 1, 0)
+    return cache.bind(row, 1, 0)
 
 
-# (prompt tokens before, new tokens): group boundaries of both ratios inside, one bucket's worth
-CASES = [(150, 7), (125, 10), (0, 2), (250, 40), (97, 127), (3, 200)]
+# per request (prompt tokens before, new tokens): group boundaries of both ratios inside, one
+# bucket's worth; then several requests in one extend, one of them a single token
+CASES = [[(150, 7)], [(125, 10)], [(0, 2)], [(250, 40)], [(97, 127)], [(3, 200)],
+         [(150, 7), (0, 20), (126, 1)], [(255, 3), (10, 100), (127, 30), (60, 5)]]
 
 
 @pytest.mark.parametrize("make", [_serving, _reference], ids=["serving", "reference"])
-@pytest.mark.parametrize("start,n", CASES)
-def test_an_extend_laid_out_for_a_graph_equals_the_eager_step(micro, make, start, n):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "+".join(f"{s}:{n}" for s, n in c))
+def test_an_extend_laid_out_for_a_graph_equals_the_eager_step(micro, make, case):
     cfg, w = micro
     model = V4Model(cfg, w)
     graphs = ExtendGraphs(model)
-    g = torch.Generator().manual_seed(start + n)
-    prompt = torch.randint(0, cfg.vocab_size, (start,), generator=g)
-    new = torch.randint(0, cfg.vocab_size, (n,), generator=g)
-    tail = torch.randint(0, cfg.vocab_size, (3,), generator=g)
+    g = torch.Generator().manual_seed(sum(s + n for s, n in case))
+    prompts = [torch.randint(0, cfg.vocab_size, (s,), generator=g) for s, _ in case]
+    new = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for _, n in case]
+    tail = torch.randint(0, cfg.vocab_size, (3, len(case)), generator=g)
     outs = []
     for laid_out in (False, True):
         cache = make(cfg)
-        req = _request(cache)
-        if start:
-            model.forward(cache, [req], [prompt])
+        reqs = [_request(cache, i) for i in range(len(case))]
+        for req, prompt in zip(reqs, prompts):
+            if prompt.numel():
+                model.forward(cache, [req], [prompt])
         if laid_out:
-            assert graphs.takes([req], [new])
-            streams, hidden = graphs.run_uncaptured(cache, [req], [new])
-            req.num_tokens += n
+            assert graphs.takes(reqs, new)
+            streams, hidden = graphs.run_uncaptured(cache, reqs, new)
+            n = sum(t.numel() for t in new)
+            for req, t in zip(reqs, new):
+                req.num_tokens += t.numel()
             rows = (hidden[:n], streams[:n])
         else:
-            h, s = model.forward(cache, [req], [new], return_hidden=True, return_streams=True)
-            rows = (h[0], s[0])
-        after = [model.forward(cache, [req], [t.view(1)], return_hidden=True)[0] for t in tail]
-        state = {k: v[req.slot].clone() for k, v in cache.slot_state.items()}
+            rows = model.forward(cache, reqs, new, return_hidden=True, return_streams=True, flat=True)
+        after = [model.forward(cache, reqs, [t.view(1) for t in ids], return_hidden=True, flat=True) for ids in tail]
+        state = {k: v[[r.slot for r in reqs]].clone() for k, v in cache.slot_state.items()}
         cache.check_integrity()
         outs.append((rows, after, state))
     (rows_e, after_e, state_e), (rows_g, after_g, state_g) = outs
@@ -76,10 +80,10 @@ def test_the_inputs_pad_with_a_scratch_request_and_empty_segments(micro):
     req = _request(cache)
     scratch = cache.layout.scratch_slot(cache.slot_state)
     plan = cache.plan_tables([req], [0], [20], torch.arange(20))
-    shape = extend_shape(32, plan.widths, False, torch.device("cuda"))  # the GPU's shape: no CPU padding
-    assert (shape.tokens, shape.segments, shape.seg_width) == (32, 2, 32)
+    shape = extend_shape(32, 1, plan.widths, False, torch.device("cuda"))  # the GPU's shape: no CPU padding
+    assert (shape.tokens, shape.requests, shape.segments, shape.seg_width) == (32, 1, 2, 32)
     rows = {r: p.scratch_row for r, p in cache.pools.items()}
-    f, write, _ = input_views(extend_inputs(shape, req.slot, 0, 20, plan, scratch, rows), shape)
+    f, write, _ = input_views(extend_inputs(shape, [req.slot], [0], [20], plan, scratch, rows), shape)
     assert f["positions"][:20].tolist() == list(range(20)) and (f["positions"][20:] == 0).all()
     assert f["tok_req"].tolist() == [0] * 20 + [1] * 12
     assert f["slots"].tolist() == [req.slot, scratch] and f["ends"].tolist() == [20, 12]
@@ -89,18 +93,22 @@ def test_the_inputs_pad_with_a_scratch_request_and_empty_segments(micro):
     assert f["seg_tok"][0, :20].tolist() == list(range(20)) and (f["seg_tok"][0, 20:] == -1).all()
     assert (f["seg_tok"][1] == -1).all() and f["seg_store_slot"].tolist() == [req.slot, scratch]
     assert f["seg_completes"].tolist() == [0, 0] and f["seg_carry"].tolist() == [0, 0]
-    with pytest.raises(ValueError, match="extend of 32 tokens"):
-        extend_inputs(shape, req.slot, 0, 32, plan, scratch, rows)
+    with pytest.raises(ValueError, match=r"extend of \[32\] tokens"):
+        extend_inputs(shape, [req.slot], [0], [32], plan, scratch, rows)
 
 
-def test_the_graphs_take_one_request_of_two_or_more_tokens_within_the_buckets(micro):
+def test_the_graphs_take_extends_of_a_few_requests_within_the_buckets(micro):
     cfg, w = micro
-    graphs = ExtendGraphs(V4Model(cfg, w))
+    graphs = ExtendGraphs(V4Model(cfg, w), max_requests=3)
     cache = _serving(cfg)
-    req = _request(cache)
+    reqs = [_request(cache, i) for i in range(4)]
+
+    def ids(*lens):
+        return [torch.zeros(n, dtype=torch.long) for n in lens]
+
     assert graphs.bucket(31) == 32 and graphs.bucket(32) == 64 and graphs.bucket(255) == 256
-    assert graphs.bucket(256) is None and not graphs.takes([req], [torch.zeros(256, dtype=torch.long)])
-    assert not graphs.takes([req], [torch.zeros(1, dtype=torch.long)])  # a decode step
-    assert graphs.takes([req], [torch.zeros(2, dtype=torch.long)])
-    other = cache.bind(1, 1, 0)
-    assert not graphs.takes([req, other], [torch.zeros(4, dtype=torch.long)] * 2)
+    assert graphs.bucket(256) is None and not graphs.takes(reqs[:1], ids(256))
+    assert not graphs.takes(reqs[:2], ids(1, 1))  # a decode step
+    assert graphs.takes(reqs[:1], ids(2)) and graphs.takes(reqs[:3], ids(1, 5, 1))
+    assert not graphs.takes(reqs[:2], ids(200, 56))  # 256 tokens: no bucket with a padding token
+    assert not graphs.takes(reqs, ids(2, 2, 2, 2))  # more requests than it takes

@@ -67,6 +67,37 @@ def test_an_extend_from_a_graph_follows_the_unpadded_eager_extend(tiny_gpu, serv
         assert err.max() < 2e-2, (L, n, float(err.max()))
 
 
+def test_an_extend_of_several_requests_replayed_equals_its_layout_run_eagerly(tiny_gpu, serving_rows):
+    """Three requests in one extend (as SGLang batches prefills that arrive together), one of
+    them a single token, then a decode step of the three."""
+    cfg, w = tiny_gpu
+    case = [(150, 7), (0, 20), (126, 1)]
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, cfg.vocab_size, (L,), generator=g) for L, _ in case]
+    new = [torch.randint(0, cfg.vocab_size, (n,), generator=g).to(DEV) for _, n in case]
+    tail = torch.randint(0, cfg.vocab_size, (len(case),), generator=g).to(DEV)
+    outs = []
+    for captured in (False, True):
+        model = V4Model(cfg, w)
+        graphs = ExtendGraphs(model)
+        srv = serving_rows(cfg, len(case) + 1)
+        states = []
+        for row, ((L, n), prompt) in enumerate(zip(case, prompts)):
+            srv.slots(row, 0, L + n + 1)
+            states.append(srv.cache.bind(row, 1, 0))
+            if L:
+                model.forward(srv.cache, [states[-1]], [prompt.to(DEV)])
+        streams, hidden = (graphs.run if captured else graphs.run_uncaptured)(srv.cache, states, new)
+        total = sum(n for _, n in case)
+        out = hidden[:total].clone()
+        for st, (_, n) in zip(states, case):
+            st.num_tokens += n
+        after = model.forward(srv.cache, states, [t.view(1) for t in tail], return_hidden=True, flat=True)
+        srv.cache.check_integrity()
+        outs.append(torch.cat([out, after]))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_a_replayed_extend_never_syncs_and_memory_stays_flat(tiny_gpu, serving_rows):
     cfg, w = tiny_gpu
     model = V4Model(cfg, w)
