@@ -155,6 +155,9 @@ class V4Cache:
                      widths: dict[int, int]) -> StepTables:
         return StepTables(write, entries)
 
+    def retire(self, replaced: dict[int, Tensor]) -> None:
+        """Nothing to take back: a request's positions always get rows of their own here."""
+
     def entry_rows(self, req: RequestState, ratio: int, num_entries: int) -> Tensor:
         """Storage rows (in ``pools[ratio].tensors``) of the request's entries 0..num_entries-1."""
         return self.pools[ratio].slots(req.tables[ratio], torch.arange(num_entries))

@@ -12,7 +12,9 @@ widths) and replayed after one host-to-device copy of its inputs, as ``core.grap
 decode steps.
 
 The host side of a replay: ``plan_tables`` (entry rows for the groups the tokens complete), one
-int64 vector of the step's fields (``extend_inputs``) and the token ids. The same body runs
+int64 vector of the step's fields (``extend_inputs``) and the token ids before it; after it, the
+entry rows the step's tables replaced (a token slot written again) handed to ``cache.retire``:
+host bookkeeping that ``apply_tables`` cannot do inside a graph. The same body runs
 without capture on any device (``ExtendGraphs.run_uncaptured``): the CPU tests hold it to the
 eager step, bit for bit. Not taken: extends of more than ``MAX_REQUESTS`` requests or 255
 tokens (they stay eager), the deterministic mode (its pieces have their own fixed shape),
@@ -171,6 +173,7 @@ class _Graph:
     inputs: Tensor    # static int64 inputs (``input_views``)
     streams: Tensor   # [T, hc, D] final residual streams
     hidden: Tensor    # [T, D] normed final hidden states
+    replaced: dict[int, Tensor]  # per ratio [T]: the entry rows the step's tables replaced (-1 none)
 
 
 class ExtendGraphs:
@@ -194,7 +197,8 @@ class ExtendGraphs:
         lens = token_lens(ids)
         return max(lens) >= 2 and min(lens) >= 1 and self.bucket(sum(lens)) is not None
 
-    def _prepare(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds):
+    def _prepare(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds
+                 ) -> tuple[ExtendShape, Tensor, int]:
         lens = token_lens(ids)
         starts = [r.num_tokens for r in reqs]
         positions = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]))
@@ -206,14 +210,16 @@ class ExtendGraphs:
                              {r: p.scratch_row for r, p in cache.pools.items()})
         return shape, host, sum(lens)
 
-    def _body(self, cache: V4CacheView, shape: ExtendShape, inputs: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """The step from the input buffer on: what a graph holds."""
+    def _body(self, cache: V4CacheView, shape: ExtendShape, inputs: Tensor, ids: Tensor
+              ) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+        """The step from the input buffer on: what a graph holds. -> (streams, hidden, the entry
+        rows the tables replaced: ``retire``'d after each run, host work a replay does not redo)."""
         model = self.model
         f, write, entries = input_views(inputs, shape)
         step = extend_step(f, ids, shape, cache.layout.scratch_slot(cache.slot_state), bool(model.cfg.c128_layers))
         step.tables = cache.apply_tables(step, write, entries, dict(shape.widths))
         h = model.forward_step(cache, step)
-        return h, model.head_input(h)
+        return h, model.head_input(h), step.tables.replaced
 
     def run_uncaptured(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds
                        ) -> tuple[Tensor, Tensor]:
@@ -223,7 +229,9 @@ class ExtendGraphs:
         dev = self.model.device
         padded = torch.zeros(shape.tokens, dtype=torch.long, device=dev)
         padded[:n] = flat_tokens(ids).to(dev)
-        return self._body(cache, shape, host.to(dev), padded)
+        streams, hidden, replaced = self._body(cache, shape, host.to(dev), padded)
+        cache.retire({r: t.clone() for r, t in replaced.items()})  # as ``run`` hands them over
+        return streams, hidden
 
     def run(self, cache: V4CacheView, reqs: Sequence[RequestState], ids: TokenIds) -> tuple[Tensor, Tensor] | None:
         """(streams [T, hc, D], hidden [T, D]) of the extend by graph replay (the requests' n rows
@@ -247,6 +255,7 @@ class ExtendGraphs:
         g.ids[:n].copy_(flat_tokens(ids).to(g.ids.device, non_blocking=True))
         g.ids[n:].zero_()  # the padding request's tokens: the same whatever the request before
         g.graph.replay()
+        cache.retire({r: t.clone() for r, t in g.replaced.items()})  # the next replay overwrites them
         return g.streams, g.hidden
 
     def _capture(self, cache: V4CacheView, shape: ExtendShape) -> _Graph:
@@ -263,5 +272,5 @@ class ExtendGraphs:
                              {r: p.scratch_row for r, p in cache.pools.items()})
         inputs = host.to(dev)
         ids = torch.zeros(shape.tokens, dtype=torch.long, device=dev)
-        graph, (streams, hidden) = capture(lambda: self._body(cache, shape, inputs, ids), self.pool)
-        return _Graph(graph, ids, inputs, streams, hidden)
+        graph, (streams, hidden, replaced) = capture(lambda: self._body(cache, shape, inputs, ids), self.pool)
+        return _Graph(graph, ids, inputs, streams, hidden, replaced)

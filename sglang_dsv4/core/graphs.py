@@ -127,6 +127,8 @@ class DecodeGraphs:
         def body() -> tuple[Tensor, Tensor]:  # everything from the input buffer on is captured
             step = decode_step(f, ids, ar, scratch, with_c128)
             step.tables = cache.apply_tables(step, write, entries, widths)
+            # a decode token's slot is new: nothing replaced, so nothing to retire after a replay
+            assert not step.tables.replaced
             h = model.forward_step(cache, step)
             return h, model.head_input(h)
 

@@ -49,11 +49,14 @@ class StepTables:
 
     ``write_rows[r]`` [T]: the storage row where token t's completed entry goes (the pool's
     scratch row when t completes no group); ``entry_rows[r]`` [B, N_r]: storage rows of each
-    request's entries 0..N_r-1 (-1 past the entries it has after this step).
+    request's entries 0..N_r-1 (-1 past the entries it has after this step); ``replaced[r]``
+    [T]: the entry row a completing token's slot held before, which leaves the tables (-1 where
+    none; only caches whose slots can be written again fill it), for ``V4CacheView.retire``.
     """
 
     write_rows: dict[int, Tensor]
     entry_rows: dict[int, Tensor]
+    replaced: dict[int, Tensor] = field(default_factory=dict)
 
 
 class EntryPool(Protocol):
@@ -91,6 +94,11 @@ class V4CacheView(Protocol):
         """Device part (``plan``'s tensors staged): device ops only, no host sync, so a CUDA graph
         can hold it. Padding requests (the scratch slot, position 0) complete nothing."""
 
+    def retire(self, replaced: dict[int, Tensor]) -> None:
+        """Take back the entry rows a step's tables replaced (``StepTables.replaced``, device
+        tensors the cache may read later: a graph replay hands copies of its buffers). Host
+        bookkeeping, so outside ``apply_tables``: a graph replays device work only."""
+
 
 @dataclass
 class TablePlan:
@@ -105,13 +113,16 @@ class TablePlan:
 
 
 def step_tables(cache: V4CacheView, reqs: Sequence[RequestState], step: StepBatch) -> StepTables:
-    """The step's tables: ``cache.plan_tables``, one staged copy, ``cache.apply_tables``."""
+    """The step's tables: ``cache.plan_tables``, one staged copy, ``cache.apply_tables``, and the
+    rows they replaced back to the cache (``cache.retire``)."""
     plan = cache.plan_tables(reqs, step.starts_host, step.lens_host, step.positions_host)
     host = {f"w{r}": t for r, t in plan.write.items()}
     host.update({f"t{r}": t for r, t in (plan.entries or {}).items()})
     dev = stage(host, step.ids.device)
     entries = None if plan.entries is None else {r: dev[f"t{r}"] for r in plan.entries}
-    return cache.apply_tables(step, {r: dev[f"w{r}"] for r in plan.write}, entries, plan.widths)
+    tables = cache.apply_tables(step, {r: dev[f"w{r}"] for r in plan.write}, entries, plan.widths)
+    cache.retire(tables.replaced)
+    return tables
 
 
 def entry_width(needed: int, max_entries: int, device: torch.device) -> int:

@@ -285,13 +285,18 @@ class SglangV4Cache:
         req_rows = step.slots[b].clamp(max=self.num_req_rows - 1)  # padding: scratch slot, completes nothing
         tok_slot = self.req_to_token[req_rows.to(self.req_to_token.device),
                                      pos.to(self.req_to_token.device)].to(self.device)
-        table = {}
+        table, replaced = {}, {}
         for r, w in write.items():
             table[r], old = file_entries(pos, tok_slot, step.slots[b], step.slots, w, self.entry_of_slot[r],
                                          self.req_entries[r], r, widths[r], not step.is_decode)
-            if old is not None:  # a slot written again drops its old entry (freed later)
-                self._orphans.append((r, old))
-        return StepTables(write, table)
+            if old is not None:  # a slot written again drops its old entry (``retire``)
+                replaced[r] = old
+        return StepTables(write, table, replaced)
+
+    def retire(self, replaced: dict[int, Tensor]) -> None:
+        """The rows a step's slots held before it wrote them again: pending orphans, freed with
+        the next freed slots (one host copy then, between scheduler steps)."""
+        self._orphans.extend(replaced.items())
 
     # ---- snapshots -----------------------------------------------------------------------
     def take_snapshot(self, req: RequestState) -> None:

@@ -112,3 +112,35 @@ def test_the_graphs_take_extends_of_a_few_requests_within_the_buckets(micro):
     assert graphs.takes(reqs[:1], ids(2)) and graphs.takes(reqs[:3], ids(1, 5, 1))
     assert not graphs.takes(reqs[:2], ids(200, 56))  # 256 tokens: no bucket with a padding token
     assert not graphs.takes(reqs, ids(2, 2, 2, 2))  # more requests than it takes
+
+
+def test_entry_rows_a_laid_out_extend_replaces_are_retired_as_the_eager_steps_are(micro):
+    """A request recomputing positions on token slots that already own entries (the slots of a
+    finished request): the rows those slots held leave the tables and go back to the pool, from
+    the graph's layout (``retire`` after the run) as from the eager step."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    graphs = ExtendGraphs(model)
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g)
+    used = []
+    for laid_out in (False, True):
+        cache = _serving(cfg)
+        first = cache.bind(0, 1, 0)
+        model.forward(cache, [first], [prompt])
+        cache.release_rows([0])
+        cache.req_to_token[1, :40] = cache.req_to_token[0, :40]  # the same slots, owning entries
+        again = cache.bind(1, 1, 0)
+        before = cache.pools[4].num_used
+        if laid_out:
+            graphs.run_uncaptured(cache, [again], [prompt[:20]])
+            again.num_tokens += 20
+        else:
+            model.forward(cache, [again], [prompt[:20]])
+        assert cache.pools[4].num_used == before + 5  # rows for the 5 groups, the old 5 pending
+        cache.check_integrity()
+        cache.free_token_slots(torch.tensor([], dtype=torch.long))  # nothing freed: orphans stay pending
+        cache.free_token_slots(cache.req_to_token[1, 39:40].long())  # a free takes the orphans along
+        cache.check_integrity()
+        used.append({r: p.num_used for r, p in cache.pools.items()})
+    assert used[0] == used[1] and used[0][4] == 40 // 4 - 1  # the 10 groups' rows, less the freed slot's

@@ -131,3 +131,30 @@ def test_a_replayed_extend_never_syncs_and_memory_stays_flat(tiny_gpu, serving_r
     assert len(model.extend_graphs.captured) == 1
     assert torch.cuda.memory_allocated() - before <= 4096
     srv.cache.check_integrity()
+
+
+def test_entry_rows_a_replayed_extend_replaces_are_retired(tiny_gpu, serving_rows):
+    """Requests recomputing positions on token slots that own entries (a finished request's),
+    twice from one graph: after each replay the replaced rows are pending orphans (the replay
+    does not rerun ``apply_tables``' host side), and a free takes them back to the pool."""
+    cfg, w = tiny_gpu
+    model = V4Model(cfg, w)
+    model.enable_cuda_graphs(max_batch=4, extend=True)
+    srv = serving_rows(cfg, 4)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g).to(DEV)
+    srv.slots(0, 0, 40)
+    first = srv.cache.bind(0, 1, 0)
+    model.forward(srv.cache, [first], [prompt])
+    srv.cache.release_rows([0])
+    for row in (1, 2):
+        srv.cache.req_to_token[row, :40] = srv.cache.req_to_token[0, :40]
+        st = srv.cache.bind(row, 1, 0)
+        before = srv.cache.pools[4].num_used
+        model.forward(srv.cache, [st], [prompt[:20]])
+        assert srv.cache.pools[4].num_used == before + 5
+        srv.cache.check_integrity()
+        srv.cache.release_rows([row])
+    assert len(model.extend_graphs.captured) == 1
+    srv.cache.free_token_slots(srv.cache.req_to_token[0, 39:40].long())
+    srv.cache.check_integrity()
