@@ -24,14 +24,13 @@ data-parallel attention (a host exchange starts each step).
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
-from .graphs import _storage, capture
+from .graphs import CapturedSteps, capture
 from .step import (C128, CPU_TOKEN_TILE, C128Segments, StepBatch, TablePlan, TokenIds, _c128_segments,
                    flat_tokens, token_lens)
 
@@ -176,13 +175,12 @@ class _Graph:
     replaced: dict[int, Tensor]  # per ratio [T]: the entry rows the step's tables replaced (-1 none)
 
 
-class ExtendGraphs:
+class ExtendGraphs(CapturedSteps):
     """The captured short extends of one model over one cache (see module docstring)."""
 
     def __init__(self, model: V4Model, buckets: tuple[int, ...] = EXTEND_BUCKETS, max_requests: int = MAX_REQUESTS):
+        super().__init__()
         self.model, self.buckets, self.max_requests = model, tuple(sorted(buckets)), max_requests
-        self.graphs: weakref.WeakKeyDictionary[V4CacheView, dict[tuple, _Graph]] = weakref.WeakKeyDictionary()
-        self.pool = None  # the graphs' private memory pool, from the first capture on
         self.captured: list[ExtendShape] = []
 
     def bucket(self, n: int) -> int | None:
@@ -239,15 +237,8 @@ class ExtendGraphs:
         if not self.takes(reqs, ids):
             return None
         shape, host, n = self._prepare(cache, reqs, ids)
-        key = (shape, _storage(cache))
-        graphs = self.graphs.setdefault(cache, {})
-        g = graphs.get(key)
-        if g is None:
-            for k in [k for k in graphs if k[0] == shape]:
-                del graphs[k]  # its pools were reallocated
-            if self.pool is None or not any(self.graphs.values()):
-                self.pool = torch.cuda.graph_pool_handle()  # (a pool dies with its last graph)
-            g = graphs[key] = self._capture(cache, shape)
+        g, new = self.graph_for(cache, shape, lambda: self._capture(cache, shape))
+        if new:
             self.captured.append(shape)
             logger.info("sglang_dsv4: captured the extend step for %d request(s), %d tokens (entry widths %s)",
                         shape.requests, shape.tokens, dict(shape.widths))

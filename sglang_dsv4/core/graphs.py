@@ -50,16 +50,41 @@ class _Graph:
     hidden: Tensor         # [batch, D] normed final hidden states (the head's input)
 
 
-class DecodeGraphs:
+class CapturedSteps:
+    """Captured step graphs by cache and shape, in one private memory pool (the decode and the
+    extend graphs). Per cache object, weakly: a cache's graphs go with it, and a later cache that
+    Python gives the same id() (and the allocator the same addresses) never replays them."""
+
+    def __init__(self):
+        self.graphs: weakref.WeakKeyDictionary[V4CacheView, dict[tuple, object]] = weakref.WeakKeyDictionary()
+        self.pool = None  # from the first capture on
+
+    def graph_for(self, cache: V4CacheView, shape: tuple, capture_new: Callable[[], _T]) -> tuple[_T, bool]:
+        """The graph of ``shape`` over ``cache``'s storage as it is now -> (graph, whether it was
+        captured now: ``capture_new()``, into ``self.pool``)."""
+        key = (shape, _storage(cache))
+        graphs = self.graphs.setdefault(cache, {})
+        g = graphs.get(key)
+        if g is not None:
+            return g, False
+        for k in [k for k in graphs if k[0] == shape]:
+            del graphs[k]  # its pools were reallocated
+        if self.pool is None or not any(self.graphs.values()):
+            # The private memory pool lives while a graph captured into it does: once every
+            # graph is gone (their caches with them), capturing into the dead pool's handle
+            # trips the allocator (an internal assert in capture_begin); a new handle, a new pool.
+            self.pool = torch.cuda.graph_pool_handle()
+        g = graphs[key] = capture_new()
+        return g, True
+
+
+class DecodeGraphs(CapturedSteps):
     """The captured decode steps of one model over one cache (see module docstring)."""
 
     def __init__(self, model: V4Model, max_batch: int = 256, buckets: tuple[int, ...] = DEFAULT_BUCKETS):
+        super().__init__()
         self.model, self.max_batch = model, max_batch
         self.buckets = tuple(b for b in buckets if b <= max_batch) or (max_batch,)
-        # per cache object, weakly: a cache's graphs go with it, and a later cache that Python
-        # gives the same id() (and the allocator the same addresses) never replays them
-        self.graphs: weakref.WeakKeyDictionary[V4CacheView, dict[tuple, _Graph]] = weakref.WeakKeyDictionary()
-        self.pool = torch.cuda.graph_pool_handle()
         self.captured: list[tuple[int, tuple[int, ...]]] = []
         self._aranges: dict[int, Tensor] = {}
 
@@ -80,18 +105,9 @@ class DecodeGraphs:
         plan = cache.plan_tables(reqs, starts, [1] * B, positions)
         ratios = sorted(plan.widths)
         widths = tuple(plan.widths[r] for r in ratios)
-        key = (b, widths, _storage(cache))
-        graphs = self.graphs.setdefault(cache, {})
-        g = graphs.get(key)
-        if g is None:
-            for k in [k for k in graphs if k[:2] == key[:2]]:
-                del graphs[k]  # its pools were reallocated
-            if not any(self.graphs.values()):
-                # The private memory pool lives while a graph captured into it does: once every
-                # graph is gone (their caches with them), capturing into the dead pool's handle
-                # trips the allocator (an internal assert in capture_begin); a new handle, a new pool.
-                self.pool = torch.cuda.graph_pool_handle()
-            g = graphs[key] = self._capture(cache, b, plan.widths, plan.entries is not None)
+        g, new = self.graph_for(cache, (b, widths), lambda: self._capture(cache, b, plan.widths,
+                                                                          plan.entries is not None))
+        if new:
             self.captured.append((b, widths))
             logger.info("sglang_dsv4: captured the decode step for batch %d (entry widths %s)", b, widths)
         host = decode_inputs(cache, reqs, positions, plan, b)

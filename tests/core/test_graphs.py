@@ -67,3 +67,43 @@ def test_graph_inputs_equal_the_eager_step_and_pad_with_scratch(tiny, make):
     pad = slice(B, b)
     assert (g.slots[pad] == scratch).all() and (g.c128.store_slot[pad] == scratch).all()
     assert (g.positions[pad] == 0).all() and not g.c128.completes[pad].any() and not g.c128.carry[pad].any()
+
+
+def test_captured_steps_reuse_a_shapes_graph_until_the_storage_moves(monkeypatch):
+    """``CapturedSteps.graph_for`` (the decode and extend graphs' store): a shape's graph is
+    captured once per cache storage, dropped when a pool it reads is reallocated, and a new
+    memory pool is taken once every graph is gone (the old one died with them)."""
+    import gc
+
+    from sglang_dsv4.core.graphs import CapturedSteps
+
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+
+    class Pool:
+        def __init__(self):
+            self.tensors = {"main": torch.zeros(4)}
+
+    class Cache:
+        def __init__(self):
+            self.pools, self.req_to_token = {4: Pool()}, torch.zeros(2, 8)
+
+    store, cache, made = CapturedSteps(), Cache(), []
+
+    def capture():
+        made.append(object())
+        return made[-1]
+
+    g, new = store.graph_for(cache, (8, (64,)), capture)
+    assert new and store.pool == 0
+    assert store.graph_for(cache, (8, (64,)), capture) == (g, False)
+    other, new = store.graph_for(cache, (16, (64,)), capture)
+    assert new and other is not g and store.pool == 0  # one pool for every shape
+    cache.pools[4].tensors["main"] = torch.zeros(8)  # the pool grew: its graphs read old storage
+    moved, new = store.graph_for(cache, (8, (64,)), capture)
+    assert new and moved is not g and len(store.graphs[cache]) == 2  # the stale (8, ...) graph dropped
+    del cache
+    gc.collect()
+    assert not any(store.graphs.values())
+    store.graph_for(Cache(), (8, (64,)), capture)
+    assert store.pool == 1 and len(made) == 4
