@@ -160,7 +160,7 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
                 c128_pool.ENABLED = pool == "kernel"
                 model.extend_graphs = graphs if graphed == "on" else None
                 case.step()  # untimed: compiles for this case's shapes
-                times, graphs = [], counters["stats"]["unique_graphs"]
+                times, compiled = [], counters["stats"]["unique_graphs"]
                 for _ in range(reps):
                     if vary:
                         case.count += 1 if kind == "hit" else -1
@@ -169,7 +169,7 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
                     case.step()
                     sync(device)
                     times.append(time.perf_counter() - t)
-                graphs = counters["stats"]["unique_graphs"] - graphs
+                compiled = counters["stats"]["unique_graphs"] - compiled
                 stats = "| - | - | - |"
                 if profile:
                     launches, syncs, busy = profile_step(case, n=2)
@@ -178,7 +178,7 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
                 label = (pool if pool == "loop" or device != "cpu" else "kernel (the loop: CPU)") + (
                     " + extend graphs" if graphed == "on" else "")
                 rows.append(f"| {name} | {weights} | {label} | {kind} | {length} | {tokens}{' (varied)' if vary else ''} "
-                            f"| {1e3 * statistics.median(times):.1f} | {graphs} {stats} {first_s:.1f} |")
+                            f"| {1e3 * statistics.median(times):.1f} | {compiled} {stats} {first_s:.1f} |")
                 print(rows[-1], flush=True)
                 if census:
                     print(f"\n### {name} {weights} {label} {kind} {length}\n" + "\n".join(census_lines(case, census))
