@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 # request arriving meanwhile waits for it (110 ms on the flash8 server after a concurrency-64 sweep)
 IDLE_AUDIT_QUIET_S = 1.0
 IDLE_AUDIT_INTERVAL_S = 10.0
+# pending replaced-row tensors (``SglangV4Cache.retire``) before they are folded to their real rows
+MAX_PENDING_ORPHANS = 32
 Tensor = torch.Tensor
 
 _SERVING: "SglangV4Cache | None" = None
@@ -295,8 +297,14 @@ class SglangV4Cache:
 
     def retire(self, replaced: dict[int, Tensor]) -> None:
         """The rows a step's slots held before it wrote them again: pending orphans, freed with
-        the next freed slots (one host copy then, between scheduler steps)."""
+        the next freed slots (one host copy then, between scheduler steps). Every step that
+        builds its tables hands a tensor per ratio, mostly -1 (nothing replaced); with no free
+        in between (one long request, extends on one row) the list is folded down to its real
+        rows every ``MAX_PENDING_ORPHANS`` tensors, so it stays bounded (one host copy each)."""
         self._orphans.extend(replaced.items())
+        if len(self._orphans) > MAX_PENDING_ORPHANS:
+            self._orphans = [(r, rows.to(self.device)) for r, rows in _host_rows(self._orphans).items()
+                             if rows.numel()]
 
     # ---- snapshots -----------------------------------------------------------------------
     def take_snapshot(self, req: RequestState) -> None:
@@ -372,14 +380,8 @@ class SglangV4Cache:
         """Return (ratio, device rows) and the pending orphans to the host pools: one copy."""
         freed = freed + self._orphans
         self._orphans = []
-        if not freed:
-            return
-        host = torch.cat([rows.long() for _, rows in freed]).cpu()
-        off = 0
-        for r, rows in freed:
-            part = host[off:off + rows.numel()]
-            self.pools[r].free(part[part >= 0])
-            off += rows.numel()
+        for r, rows in _host_rows(freed).items():
+            self.pools[r].free(rows)
 
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
@@ -504,3 +506,17 @@ class SglangV4Cache:
                 "rings_in_use": len(self.rows),
                 "snapshots": len(self.snapshots),
                 "snapshot_bytes": len(self.snapshots) * self.snapshot_bytes_each}
+
+
+def _host_rows(pending: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
+    """(ratio, device rows, -1 for none) pairs -> per ratio the real rows on the host (one copy)."""
+    if not pending:
+        return {}
+    host = torch.cat([rows.long() for _, rows in pending]).cpu()
+    out: dict[int, list[Tensor]] = {}
+    off = 0
+    for r, rows in pending:
+        part = host[off:off + rows.numel()]
+        out.setdefault(r, []).append(part[part >= 0])
+        off += rows.numel()
+    return {r: torch.cat(parts) for r, parts in out.items()}

@@ -9,7 +9,7 @@ import torch
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.oracle import OracleModel
 from sglang_dsv4.core.step import entry_width
-from sglang_dsv4.srt.state import SglangV4Cache
+from sglang_dsv4.srt.state import MAX_PENDING_ORPHANS, RATIOS, SglangV4Cache
 
 ROWS, SLOTS, MAX_LEN = 4, 4096, 1024
 
@@ -141,3 +141,33 @@ def test_file_entries_traced_updates_the_tables_as_eager(ratio):
     done = (a[0] + 1) % ratio == 0
     assert torch.equal(a[5][a[1][done].long()], a[4][done].int())
     assert torch.equal(a[6][a[2][done], (a[0][done] + 1) // ratio - 1], a[4][done].int())
+
+
+def test_pending_orphans_stay_bounded_and_keep_their_rows_without_a_free(micro):
+    """Every extend hands ``retire`` a replaced-rows tensor per ratio (mostly -1); extends with no
+    free in between fold them to their real rows (bounded), and those rows are still taken back
+    at the next free."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    cache = _cache(cfg, "torch")
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    slots = Slots()
+    cache.req_to_token[0, :40] = slots.take(40)
+    first = cache.bind(0, 1, 0)
+    model.forward(cache, [first], [prompt])
+    cache.release_rows([0])
+    cache.req_to_token[1, :20] = cache.req_to_token[0, :20]  # the same slots, owning entries
+    cache.req_to_token[1, 20:] = slots.take(MAX_LEN - 20)
+    again = cache.bind(1, 1, 0)
+    model.forward(cache, [again], [prompt[:20]])  # replaces the rows of 5 ratio-4 groups
+    pending = {r: p.num_used for r, p in cache.pools.items()}
+    for t in range(MAX_PENDING_ORPHANS):  # 2-token extends on fresh slots, no free
+        model.forward(cache, [again], [prompt[t % 20:t % 20 + 2]])
+        assert len(cache._orphans) <= MAX_PENDING_ORPHANS + len(RATIOS)
+        cache.check_integrity()  # the 5 replaced rows: in use and pending, not leaked
+    assert cache.pools[4].num_used == pending[4] + 2 * MAX_PENDING_ORPHANS // 4  # one row per 4 positions
+    cache.release_rows([1])
+    cache.free_token_slots(cache.req_to_token[1, :20].long())  # the free takes the orphans along
+    cache.check_integrity()
+    # the 20 freed slots owned 5 ratio-4 rows, and the 5 they replaced went with them
+    assert cache.pools[4].num_used == pending[4] + 2 * MAX_PENDING_ORPHANS // 4 - 10
