@@ -17,7 +17,7 @@ longer (hit) than the one before, as a server's requests are: whether new length
 ``--c128-pool loop,kernel``: each case with the ratio-128 pooling's torch loop (a fused region
 per position) and with its one-launch kernel (``kernels.c128_pool``), side by side on one model;
 ``--extend-graphs off,on``: without and with CUDA graphs of short extends
-(``core.extend_graphs``: a hit's 32 tokens, and prompts of < 256), side by side.
+(``core.extend_graphs``: a hit's 32 tokens, and prompts of < 1024), side by side.
 ``--census N``: after each case's timings, where one run of it goes: on a GPU its kernel launches
 by the package function that issued them (``profile_decode.launch_census``); from a trace with
 Python stacks, its host time by function (``profile_server.summarise``): a hit's 32 tokens spend a
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the ratio-128 pooling's path(s), side by side: loop (a region per position) and/or "
                          "kernel (kernels/c128_pool.py, one launch)")
     ap.add_argument("--extend-graphs", default="off",
-                    help="off and/or on: extends of < 256 tokens (up to 8 requests) from CUDA graphs (core/extend_graphs.py)")
+                    help="off and/or on: extends of < 1024 tokens (up to 8 requests) from CUDA graphs (core/extend_graphs.py)")
     ap.add_argument("--census", type=int, default=0, metavar="N",
                     help="after each case, its top N launch sites (GPU) and host functions (see the docstring)")
     args = ap.parse_args(argv)

@@ -16,7 +16,7 @@ int64 vector of the step's fields (``extend_inputs``) and the token ids before i
 entry rows the step's tables replaced (a token slot written again) handed to ``cache.retire``:
 host bookkeeping that ``apply_tables`` cannot do inside a graph. The same body runs
 without capture on any device (``ExtendGraphs.run_uncaptured``): the CPU tests hold it to the
-eager step, bit for bit. Not taken: extends of more than ``MAX_REQUESTS`` requests or 255
+eager step, bit for bit. Not taken: extends of more than ``MAX_REQUESTS`` requests or 1023
 tokens (they stay eager), the deterministic mode (its pieces have their own fixed shape),
 data-parallel attention (a host exchange starts each step).
 """
@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
-EXTEND_BUCKETS = (32, 64, 128, 256)  # token counts (the requests' tokens + at least one padding token)
+# token counts (the requests' tokens + at least one padding token): up to a hit's tail and short
+# prompts (a 512-token prompt takes the 1024 bucket); longer extends are GPU-bound enough eagerly
+EXTEND_BUCKETS = (32, 64, 128, 256, 512, 1024)
 MAX_REQUESTS = 8  # requests of one extend a graph takes (SGLang batches prefills that arrive together)
 # per-token int64 fields of the input buffer, in order; then the write rows per ratio [T] each,
 # the per-request fields [B + 1] each, the ratio-128 segments, and host-built entry tables if any

@@ -33,9 +33,11 @@ def _request(cache, row: int = 0):
 
 
 # per request (prompt tokens before, new tokens): group boundaries of both ratios inside, one
-# bucket's worth; then several requests in one extend, one of them a single token
+# bucket's worth; then several requests in one extend, one of them a single token; the two
+# largest buckets (a cold 600-token prompt: 1024; two requests of 550 tokens: 1024)
 CASES = [[(150, 7)], [(125, 10)], [(0, 2)], [(250, 40)], [(97, 127)], [(3, 200)],
-         [(150, 7), (0, 20), (126, 1)], [(255, 3), (10, 100), (127, 30), (60, 5)]]
+         [(150, 7), (0, 20), (126, 1)], [(255, 3), (10, 100), (127, 30), (60, 5)],
+         [(0, 600)], [(130, 300), (0, 250)]]
 
 
 @pytest.mark.parametrize("make", [_serving, _reference], ids=["serving", "reference"])
@@ -107,10 +109,11 @@ def test_the_graphs_take_extends_of_a_few_requests_within_the_buckets(micro):
         return [torch.zeros(n, dtype=torch.long) for n in lens]
 
     assert graphs.bucket(31) == 32 and graphs.bucket(32) == 64 and graphs.bucket(255) == 256
-    assert graphs.bucket(256) is None and not graphs.takes(reqs[:1], ids(256))
+    assert graphs.bucket(512) == 1024 and graphs.bucket(1023) == 1024
+    assert graphs.bucket(1024) is None and not graphs.takes(reqs[:1], ids(1024))
     assert not graphs.takes(reqs[:2], ids(1, 1))  # a decode step
     assert graphs.takes(reqs[:1], ids(2)) and graphs.takes(reqs[:3], ids(1, 5, 1))
-    assert not graphs.takes(reqs[:2], ids(200, 56))  # 256 tokens: no bucket with a padding token
+    assert not graphs.takes(reqs[:2], ids(1000, 24))  # 1024 tokens: no bucket with a padding token
     assert not graphs.takes(reqs, ids(2, 2, 2, 2))  # more requests than it takes
 
 
