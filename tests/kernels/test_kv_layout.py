@@ -118,3 +118,17 @@ def test_float_rows_flat_and_paged_buffers_agree():
     lay.copy_head(paged, 1, 2, 4)
     assert torch.equal(flat.view(5, 4, 3), paged)
     assert lay.round(x) is x
+
+
+@pytest.mark.parametrize("rope_dtype", [torch.bfloat16, torch.float32])
+def test_v4_round_is_the_bytes_read_back_bit_for_bit(rope_dtype):
+    """``round`` computes what ``pack`` stores and ``unpack`` reads, without the bytes: the same
+    bits for rows of every scale (zeros, the amax floor, exact powers of two, bf16 inputs)."""
+    lay = V4Fp8Rows(page_size=16, rope_dtype=rope_dtype)
+    x = random_rows(300, 512, 1)
+    x[2] = 2.0 ** torch.randint(-8, 5, (512,), generator=torch.Generator().manual_seed(2)).float()
+    x[2, ::64] = 56.0  # each tile's amax / 448 = 2^-3: ceil(log2) on an integer
+    for rows in (x, x.bfloat16(), x[:1]):
+        want = lay.unpack(*lay.pack(rows)).to(rows.dtype)
+        assert torch.equal(lay.round(rows), want)
+    assert torch.equal(lay.round(x.view(3, 100, 512)), lay.round(x).view(3, 100, 512))

@@ -41,6 +41,21 @@ def test_fused_quantisers_store_the_eager_bytes(n):
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_fused_round_and_dequantise_give_the_eager_bits(n):
+    """The compiled ``round`` (the prefill's chunk rows as stored) and ``unpack`` regions against
+    their eager torch ops, and ``round`` against the bytes written and read back."""
+    v4 = kv_layout.V4Fp8Rows(64)
+    x = _rows(max(n, 3), v4.dim)[:n]
+    got = kv_layout._v4_fp8_round(x, v4.nope, v4.rope_dtype)
+    assert torch.equal(got, kv_layout._v4_fp8_round.eager(x, v4.nope, v4.rope_dtype))
+    data, scales = v4.pack(x)
+    q, rope = data[:, :v4.nope].contiguous().view(torch.float8_e4m3fn), data[:, v4.nope:].contiguous().view(torch.bfloat16)
+    back = kv_layout._v4_fp8_dequantise(q, rope, scales, v4.num_tiles)
+    assert torch.equal(back, kv_layout._v4_fp8_dequantise.eager(q, rope, scales, v4.num_tiles))
+    assert torch.equal(got, back)
+
+
 def test_a_v4_row_written_and_read_on_the_gpu_is_fp8_qat():
     v4 = kv_layout.V4Fp8Rows(64)
     x = _rows(100, v4.dim).float()
