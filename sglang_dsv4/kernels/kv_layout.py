@@ -62,15 +62,13 @@ def _v4_fp8_quantise(x: Tensor, nope: int, rope_dtype: torch.dtype, scale_bytes:
 
 @on_gpu(rows={"x": (0,)})
 def _v4_fp8_round(x: Tensor, nope: int, rope_dtype: torch.dtype) -> Tensor:
-    """x [n, nope + rope] -> float32 [n, nope + rope]: what ``_v4_fp8_quantise``'s bytes read back
-    as, without the bytes (one fused region on the GPU instead of a pack and an unpack, ~15
-    kernels, in every layer of every prefill). The same arithmetic: the e4m3 values times their
-    power-of-two scale, exact, so equal to ``unpack(pack(x))`` bit for bit."""
-    tiles = x[:, :nope].float().unflatten(-1, (nope // FP8_TILE, FP8_TILE))
-    log2_scale = pow2_exponent(tiles.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR), FP8_MAX)
-    scale = torch.exp2(log2_scale)
-    q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return torch.cat(((q.float() * scale).flatten(1), x[:, nope:].to(rope_dtype).float()), dim=1)
+    """x [n, nope + rope] -> float32 [n, nope + rope]: ``unpack(pack(x))`` without the bytes, one
+    fused region on the GPU instead of a pack and an unpack (~15 kernels) in every layer of every
+    prefill. The quantiser and dequantiser themselves, traced inline (``on_gpu`` calls them eagerly
+    inside a compiled region), so the bits are theirs."""
+    tiles = nope // FP8_TILE
+    q, rope, scales = _v4_fp8_quantise(x, nope, rope_dtype, tiles)
+    return _v4_fp8_dequantise(q, rope, scales, tiles)
 
 
 @on_gpu(rows={"q": (0,)})

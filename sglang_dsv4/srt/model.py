@@ -248,7 +248,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             logger.info("sglang_dsv4: CUDA graphs of the decode step are off")
             return
         # short extends too (up to 8 requests, < 1024 tokens), opted in (SGLANG_DSV4_EXTEND_GRAPHS=1)
-        # until a GPU run has compared their replay with the eager step and timed a cache hit with them
+        # until the GPU server has run with them (in-process their replay is the eager step's bits)
         extend = os.environ.get("SGLANG_DSV4_EXTEND_GRAPHS", "0") == "1"
         self.core.enable_cuda_graphs(int(max_bs), extend=extend)
         logger.info("sglang_dsv4: CUDA graphs of the decode step on, batch buckets %s (captured on first use)",
