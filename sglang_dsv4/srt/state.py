@@ -169,7 +169,7 @@ class SglangV4Cache:
         self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
         # changes to the state so far (forward steps, frees, flushes); at the last integrity check,
         # at the last metrics refresh; the change count an idle server last showed, and since when
-        self._changes, self._checked_at, self._metrics_at = 0, -1, -1
+        self._changes, self._checked_at, self._metrics_at = 0, -1, (-1, -1)
         self._quiet: tuple[int, float] = (-1, 0.0)
         self._last_audit = float("-inf")
 
@@ -465,9 +465,12 @@ class SglangV4Cache:
         return now - self._quiet[1] >= IDLE_AUDIT_QUIET_S and now - self._last_audit >= IDLE_AUDIT_INTERVAL_S
 
     def refresh_metrics(self) -> None:
-        """Bring the metrics' counters and gauges up to date (cheap: no scan), once per change."""
-        if self.metrics is not None and self._metrics_at != self._changes:
-            self._metrics_at = self._changes
+        """Bring the metrics' counters and gauges up to date (cheap: no scan), once per change
+        and once per audit: an audit changes no state but is counted (``integrity_checks``),
+        and the idle pass that found it not yet due has already refreshed for this change."""
+        seen = (self._changes, self.stats["integrity_checks"])
+        if self.metrics is not None and self._metrics_at != seen:
+            self._metrics_at = seen
             self.metrics.update()
 
     def run_integrity_check(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None,

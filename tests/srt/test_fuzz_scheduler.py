@@ -127,3 +127,25 @@ def test_the_idle_audit_waits_for_a_quiet_spell_and_runs_at_most_every_interval(
     assert not cache.idle_audit_due(now=t0 + IDLE_AUDIT_QUIET_S / 2)
     assert not cache.idle_audit_due(now=t0 + IDLE_AUDIT_QUIET_S)  # the spell began half a spell ago
     assert cache.idle_audit_due(now=t0 + 1.5 * IDLE_AUDIT_QUIET_S)
+
+
+def test_an_idle_audit_reaches_the_metrics_without_a_further_change(micro):
+    """The idle pass that finds the audit not yet due refreshes the metrics for the change; the
+    audit a second later changes no state, yet its count must reach ``/metrics`` (CI saw the
+    server's check count stay put after a flush until the next request)."""
+    cfg, _ = micro
+    cache = SglangV4Cache.with_own_table(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend="torch")
+
+    class Published:  # what V4CacheMetrics.update exports: the counts as of its last call
+        checks = None
+
+        def update(self):
+            self.checks = cache.stats["integrity_checks"]
+
+    cache.metrics = Published()
+    cache.release_rows([])  # a change (a flush, a free)
+    assert not cache.idle_audit_due()
+    cache.refresh_metrics()  # the idle pass that found the audit not due
+    assert cache.metrics.checks == 0
+    cache.run_integrity_check(torch.empty(0, dtype=torch.long), [])  # the audit, once due
+    assert cache.metrics.checks == 1 == cache.stats["integrity_checks"]
