@@ -9,7 +9,9 @@ of random token ids (distinct per request, so no prefix is shared). Prints one m
 concurrency: output tok/s over the wall time; per request, as SGLang's ``bench_serving`` defines
 them, TTFT (time to the first streamed token), TPOT ((e2e - TTFT) / (output tokens - 1): the
 decode steps alone, the prefill left out) and the median inter-token latency (ITL) over all
-requests' gaps between streamed chunks; mean e2e latency. Each concurrency is timed after one short
+requests' gaps between streamed chunks; mean e2e latency; per forward step, the reads of device
+values our cache made (on a GPU each a host sync: under SGLang's overlap scheduler it waits for the
+step in flight) and the ms the host spent in them (``/server_info``'s ``dsv4_cache`` counters). Each concurrency is timed after one short
 untimed round at that concurrency (`--no-warmup`: cold), so graph captures and compiles of a new
 batch size on a GPU server are not in its numbers.
 
@@ -52,6 +54,25 @@ def _stream(port: int, body: dict) -> dict:
         raise RuntimeError("the server streamed no tokens")
     return {**meta, "ttft": arrivals[0] - start, "e2e": arrivals[-1] - start,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+def cache_counters(port: int) -> dict | None:
+    """Our cache's counters from ``/server_info`` (``internal_states[0]["dsv4_cache"]``, with
+    SGLang's forward step count); None for a server without them (upstream's V4)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=60) as r:
+        states = json.load(r).get("internal_states") or [{}]
+    return states[0].get("dsv4_cache")
+
+
+def host_waits(before: dict | None, after: dict | None) -> str:
+    """'reads / ms' per forward step between two ``cache_counters``: the cache's reads of device
+    values (each a host sync on a GPU, which under the overlap scheduler waits for the step in
+    flight) and the time the host spent in them."""
+    if not before or not after or "host_reads" not in after:
+        return "-"
+    steps = max(after["forward_steps"] - before["forward_steps"], 1)
+    return (f"{(after['host_reads'] - before['host_reads']) / steps:.2f} / "
+            f"{(after['host_read_ms'] - before['host_read_ms']) / steps:.3f}")
 
 
 def sweep(port: int, concurrency: int, input_len: int, output_len: int, per_client: int, seed: int) -> dict:
@@ -113,14 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hit-new", type=int, default=32, help="new tokens after the cached prompt")
     args = ap.parse_args(argv)
     sweep(args.port, 2, 32, 8, 1, seed=99)  # warm-up: first captures, allocator growth
-    print("| server | concurrency | output tok/s | TTFT ms | TPOT ms | ITL ms (median) | e2e s | requests |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| server | concurrency | output tok/s | TTFT ms | TPOT ms | ITL ms (median) | e2e s | requests "
+          "| cache host reads / ms per step |\n|---|---|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
         if not args.no_warmup:
             sweep(args.port, c, args.input_len, min(args.output_len, 16), 1, seed=10_000 + c)
+        before = cache_counters(args.port)
         r = sweep(args.port, c, args.input_len, args.output_len, args.requests_per_client, seed=c)
+        waits = host_waits(before, cache_counters(args.port))
         print(f"| {args.label} | {c} | {r['tok_s']:.1f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['itl_ms']:.2f} "
-              f"| {r['e2e_s']:.2f} | {r['requests']} |", flush=True)
+              f"| {r['e2e_s']:.2f} | {r['requests']} | {waits} |", flush=True)
     if args.hit_lengths:
         print(f"\n| server | prompt tokens | TTFT cold ms | TTFT hit ms (+{args.hit_new} new) | cached tokens |\n"
               "|---|---|---|---|---|")

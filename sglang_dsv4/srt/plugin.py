@@ -191,8 +191,9 @@ def _after_memory_pools(result, runner, *args, **kwargs):
 
 
 def _after_prepare_for_extend(result, batch, *args, **kwargs):
-    """Rows are known now: pass each request's wanted snapshot positions to the model's cache."""
-    from .radix_cache import FORK_ATTR
+    """Rows are known now: pass each request's wanted snapshot positions to the model's cache,
+    and the snapshot a resuming request's match found (so its bind reads no slot back)."""
+    from .radix_cache import FORK_ATTR, RESUME_ATTR
     from .state import serving_cache
 
     cache = serving_cache()
@@ -202,8 +203,14 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
             row = req.kv.req_pool_idx
             if row is None:
                 continue
+            generation = int(generations[row])
             for position in getattr(req, FORK_ATTR, None) or []:
-                cache.want_snapshot(row, int(generations[row]), position)
+                cache.want_snapshot(row, generation, position)
+            resume, key = getattr(req, RESUME_ATTR, None) or (0, -1)
+            # a request continuing its chunked prefill is bound already; only its first chunk
+            # resumes, from the prefix its match gave it (what prepare_for_extend just wrote)
+            if resume and req.prefix_len == resume:
+                cache.expect_resume(row, generation, resume, key)
     return result
 
 

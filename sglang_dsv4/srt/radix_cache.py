@@ -28,6 +28,8 @@ from .state import serving_cache
 logger = logging.getLogger(__name__)
 
 FORK_ATTR = "dsv4_fork_at"
+# (P, token slot of position P - 1) of the snapshot a request resumes from, as its match found it
+RESUME_ATTR = "dsv4_resume_from"
 
 
 def _is_fan_out_prefix(req) -> bool:
@@ -60,7 +62,8 @@ class SnapshotRadixCache(RadixCache):
         full_len = result.device_prefix_len
         if full_len:
             slots = self.path_device_indices(result.last_device_node)[:full_len]
-            resume = cache.deepest_snapshot(slots)
+            resume, key = cache.deepest_snapshot(slots)
+            setattr(req, RESUME_ATTR, (resume, key))
             if resume < full_len:
                 # the request passes D = full_len on its own: snapshot it there for the next one
                 forks.add(full_len)
@@ -92,12 +95,11 @@ class SnapshotRadixCache(RadixCache):
             return super().checkpoint(req, up_to=up_to)
         row = req.kv.req_pool_idx
         state = cache.rows.get(row)
-        if state is not None and state.state.num_tokens == up_to:
-            cache.take_snapshot(state.state)
+        at_end = state.state if state is not None and state.state.num_tokens == up_to else None
         own = self.req_to_token_pool.req_to_token[row, :up_to].clone()
         with cache.deferred_frees():
             super().checkpoint(req, up_to=up_to)
             tree = self.req_to_token_pool.req_to_token[row, :up_to]
-            cache.move_snapshots(own, tree)
+            cache.publish(at_end, own, tree)  # a snapshot at up_to; the request's move to the tree's slots
         if state is not None:  # the row now reads the tree's slots: list their entries
             cache.refresh_entries(row, up_to)

@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -152,6 +152,8 @@ class SglangV4Cache:
                                           device=self.device) for r in RATIOS}
         # (ratio, entry rows) of slots written twice: freed at the next free (which syncs anyway)
         self._orphans: list[tuple[int, Tensor]] = []
+        # entries resumes found missing (``refresh_entries``), counted on the device: 0 or a bug
+        self._missing_entries = torch.zeros((), dtype=torch.long, device=self.device)
         # LRU order: least recently taken/matched/restored first
         self.snapshots: OrderedDict[int, SlotSnapshot] = OrderedDict()
         self.snapshot_bytes_each = self.layout.slot_bytes
@@ -159,19 +161,36 @@ class SglangV4Cache:
                                       else default_snapshot_budget_bytes(num_req_rows, self.snapshot_bytes_each))
         self.rows: dict[int, _Row] = {}
         self.pending_forks: dict[int, tuple[int, list[int]]] = {}  # row -> (generation, positions)
+        self._resume_keys: dict[int, tuple[int, int, int]] = {}  # row -> (generation, prefix, slot)
         self.req_to_token: Tensor | None = None  # SGLang's (``srt.model``), or ``with_own_table``'s
         self._deferred: list[Tensor] | None = None
         self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
                       "snapshots_evicted": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
                       "integrity_checks": 0, "integrity_failures": 0, "tree_tokens_evicted": 0,
                       "aborts_queued": 0, "aborts_mid_prefill": 0, "aborts_running": 0,
-                      "rows_read_back": 0}  # forwards whose rows came from the device (a host sync)
+                      "rows_read_back": 0,  # forwards whose rows came from the device (a host sync)
+                      "resume_keys_read_back": 0,  # resumes whose snapshot key did (no expect_resume)
+                      # the cache's reads of device values outside the idle audit (``_to_host``):
+                      # on a GPU each a host sync, and the ms the host waited in them
+                      "host_reads": 0, "host_read_ms": 0.0}
         self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
         # changes to the state so far (forward steps, frees, flushes); at the last integrity check,
         # at the last metrics refresh; the change count an idle server last showed, and since when
         self._changes, self._checked_at, self._metrics_at = 0, -1, (-1, -1)
         self._quiet: tuple[int, float] = (-1, 0.0)
         self._last_audit = float("-inf")
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        """``t`` on the host. From a GPU that is a host sync, which under SGLang's overlap
+        scheduler waits for the step in flight: counted (``host_reads``) and timed
+        (``host_read_ms``), so a server run shows what the scheduler's hooks wait."""
+        if t.device.type == "cpu":
+            return t
+        t0 = time.perf_counter()
+        out = t.cpu()
+        self.stats["host_reads"] += 1
+        self.stats["host_read_ms"] += (time.perf_counter() - t0) * 1e3
+        return out
 
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
@@ -180,6 +199,7 @@ class SglangV4Cache:
         A new request in the row (new generation) starts from a reset state or, if its cached
         prefix is non-empty, from the snapshot owned by the token slot at prefix_len - 1.
         """
+        hint = self._resume_keys.pop(row, None)
         bound = self.rows.get(row)
         if bound is not None and bound.generation == generation:
             if bound.state.num_tokens != prefix_len:
@@ -192,7 +212,11 @@ class SglangV4Cache:
         if prefix_len == 0:
             self.layout.reset(self.slot_state, row)
         else:
-            key = int(self.req_to_token[row, prefix_len - 1])
+            if hint is not None and hint[:2] == (generation, prefix_len):
+                key = hint[2]  # the radix match's: no read of the device table
+            else:
+                key = int(self._to_host(self.req_to_token[row, prefix_len - 1]))
+                self.stats["resume_keys_read_back"] += 1
             snap = self.snapshots.get(key)
             if snap is None or snap.num_tokens != prefix_len:
                 raise RuntimeError(f"request row {row}: no snapshot at its cached prefix of {prefix_len} tokens "
@@ -205,6 +229,12 @@ class SglangV4Cache:
         state.num_tokens = prefix_len
         self.rows[row] = _Row(state, generation)
         return state
+
+    def expect_resume(self, row: int, generation: int, prefix_len: int, key: int) -> None:
+        """The request about to bind ``row`` (``generation``) resumes at ``prefix_len`` from the
+        snapshot on token slot ``key`` (``deepest_snapshot``'s, at match time): its ``bind``
+        then reads nothing back from the device. Dropped with the row or at that bind."""
+        self._resume_keys[row] = (generation, prefix_len, key)
 
     def want_snapshot(self, row: int, generation: int, position: int) -> None:
         """Ask for a snapshot when the request in ``row`` passes ``position`` (a divergence point)."""
@@ -219,15 +249,13 @@ class SglangV4Cache:
         gen, positions = self.pending_forks.get(row, (None, []))
         return sorted(p for p in positions if gen == generation and start < p <= end)
 
-    def _slots(self, row: int, positions: Tensor) -> Tensor:
-        """Token slots of ``positions`` in request row ``row``, as int64 on the host (where the
-        side tables live; SGLang keeps ``req_to_token`` on the model's device)."""
-        return self.req_to_token[row, positions.to(self.req_to_token.device)].long().cpu()
-
     def refresh_entries(self, row: int, num_tokens: int, check: bool = False) -> None:
         """Row ``row``'s entry lists from the slots of its first ``num_tokens`` positions (a
         request resuming on the tree's slots, or after the tree deduplicated its slots): device
-        gathers; with ``check`` a missing entry is an error (one host sync: prefill only)."""
+        gathers, no host sync. With ``check`` (a resume) the entries it found missing are counted
+        on the device, and ``check_integrity`` fails on any: the radix cache resumes only where
+        every completed group has its entry, so a miss is a bug, found by the next audit (after
+        every step under SGLang's per-step check) without a sync on the request's path."""
         for r, table in self.req_entries.items():
             n = num_tokens // r
             if not n:
@@ -235,10 +263,8 @@ class SglangV4Cache:
             slots = self.req_to_token[row, torch.arange(n, device=self.req_to_token.device) * r + r - 1]
             rows = self.entry_of_slot[r][slots.to(self.device).long()]
             table[row, :n] = rows
-            if check and bool((rows < 0).any()):
-                j = int(torch.nonzero(rows < 0)[0])
-                raise RuntimeError(f"request row {row}: compressed entry {j} (ratio {r}) missing "
-                                   f"for token slot {int(slots[j])}")
+            if check:
+                self._missing_entries += (rows < 0).sum()
 
     @classmethod
     def with_own_table(cls, cfg: V4Config, num_req_rows: int, num_token_slots: int, max_seq_len: int,
@@ -303,7 +329,7 @@ class SglangV4Cache:
         rows every ``MAX_PENDING_ORPHANS`` tensors, so it stays bounded (one host copy each)."""
         self._orphans.extend(replaced.items())
         if len(self._orphans) > MAX_PENDING_ORPHANS:
-            self._orphans = [(r, rows.to(self.device)) for r, rows in _host_rows(self._orphans).items()
+            self._orphans = [(r, rows.to(self.device)) for r, rows in _host_rows(self._orphans, self._to_host)[0].items()
                              if rows.numel()]
 
     # ---- snapshots -----------------------------------------------------------------------
@@ -311,7 +337,10 @@ class SglangV4Cache:
         """Snapshot ``req`` at its current position, owned by its token slot at position - 1."""
         if req.num_tokens == 0:
             return
-        key = int(self.req_to_token[req.slot, req.num_tokens - 1])
+        self._snapshot_on(int(self._to_host(self.req_to_token[req.slot, req.num_tokens - 1])), req)
+
+    def _snapshot_on(self, key: int, req: RequestState) -> None:
+        """Snapshot ``req`` owned by token slot ``key`` (its slot at position - 1)."""
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
             return
@@ -326,25 +355,34 @@ class SglangV4Cache:
             self.snapshots.popitem(last=False)
             self.stats["snapshots_evicted"] += 1
 
-    def deepest_snapshot(self, path_slots: Tensor) -> int:
-        """Largest P such that path_slots[P-1] owns a snapshot at position P (0 if none)."""
+    def deepest_snapshot(self, path_slots: Tensor) -> tuple[int, int]:
+        """(P, key): the largest P such that path_slots[P-1] owns a snapshot at position P, and
+        that slot; (0, -1) if none. One host copy of the path (``expect_resume`` passes the key
+        on, so the request's bind needs none)."""
         if not self.snapshots or path_slots.numel() == 0:
-            return 0
+            return 0, -1
         keys = torch.tensor(list(self.snapshots), dtype=torch.long)
-        hits = torch.nonzero(torch.isin(path_slots.long().cpu(), keys)).flatten().tolist()
-        for i in reversed(hits):
-            key = int(path_slots[i])
+        host = self._to_host(path_slots.long())
+        for i in reversed(torch.nonzero(torch.isin(host, keys)).flatten().tolist()):
+            key = int(host[i])
             if self.snapshots[key].num_tokens == i + 1:
                 self.snapshots.move_to_end(key)  # matched: most recently used
-                return i + 1
-        return 0
+                return i + 1, key
+        return 0, -1
 
-    def move_snapshots(self, old_slots: Tensor, new_slots: Tensor) -> None:
-        """The radix tree kept its own slots for positions a request recomputed: snapshots and
-        entries the request made there move to the tree's slots (where those have none)."""
-        for old, new in zip(old_slots.tolist(), new_slots.tolist()):
-            if old != new and old in self.snapshots and new not in self.snapshots:
-                self.snapshots[new] = self.snapshots.pop(old)
+    def publish(self, req: RequestState | None, old_slots: Tensor, new_slots: Tensor) -> None:
+        """The radix tree published a request's first ``len(old_slots)`` positions, keeping its
+        own slots (``new_slots``) where it held them already: a snapshot of ``req`` (if given:
+        the request at that position) on its slot there, then the snapshots the request made on
+        the slots the tree replaced move to the tree's (where those have none). One host copy."""
+        if req is None and not self.snapshots:
+            return
+        old, new = self._to_host(torch.stack((old_slots, new_slots)).long()).tolist()
+        if req is not None and req.num_tokens:
+            self._snapshot_on(old[-1], req)
+        for o, n in zip(old, new):
+            if o != n and o in self.snapshots and n not in self.snapshots:
+                self.snapshots[n] = self.snapshots.pop(o)
 
     @contextmanager
     def deferred_frees(self) -> Iterator[None]:
@@ -370,18 +408,20 @@ class SglangV4Cache:
         freed = [(r, self.entry_of_slot[r][dev_slots]) for r in RATIOS]
         for r in RATIOS:
             self.entry_of_slot[r][dev_slots] = -1
-        self._free_rows(freed)
-        if self.snapshots:
-            for s in slots.long().cpu().tolist():
-                if self.snapshots.pop(s, None) is not None:
-                    self.stats["snapshots_dropped"] += 1
+        dropped = self._free_rows(freed, also=dev_slots if self.snapshots else None)
+        for s in dropped.tolist() if dropped is not None else ():
+            if self.snapshots.pop(s, None) is not None:
+                self.stats["snapshots_dropped"] += 1
 
-    def _free_rows(self, freed: list[tuple[int, Tensor]]) -> None:
-        """Return (ratio, device rows) and the pending orphans to the host pools: one copy."""
+    def _free_rows(self, freed: list[tuple[int, Tensor]], also: Tensor | None = None) -> Tensor | None:
+        """Return (ratio, device rows) and the pending orphans to the host pools, and bring
+        ``also`` (the freed slots, when snapshots may sit on them) to the host: one copy."""
         freed = freed + self._orphans
         self._orphans = []
-        for r, rows in _host_rows(freed).items():
-            self.pools[r].free(rows)
+        rows, extra = _host_rows(freed, self._to_host, also)
+        for r, host in rows.items():
+            self.pools[r].free(host)
+        return extra
 
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
@@ -399,13 +439,15 @@ class SglangV4Cache:
         for row in rows:
             self.rows.pop(row, None)
             self.pending_forks.pop(row, None)
+            self._resume_keys.pop(row, None)
 
     def check_integrity(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None) -> None:
         """Raise AssertionError unless the side tables and pools agree (callable at any time,
         without a flush; host syncs: not for the step).
 
         Always: every entry row in use is owned by exactly one token slot or is a pending orphan,
-        and every owned row is in use; each bound request row's entries are rows in use. With
+        and every owned row is in use; each bound request row's entries are rows in use; no
+        resume so far found an entry missing (``refresh_entries``). With
         ``live_slots`` (the token slots SGLang holds: tree + running requests): every slot owning
         an entry or a snapshot is live. With ``live_rows`` (SGLang's request rows in use): rings
         are held exactly by those rows.
@@ -442,6 +484,10 @@ class SglangV4Cache:
                 raise AssertionError(f"{dead.numel()} snapshots on freed token slots, e.g. slot {int(dead[0])}")
         if live_rows is not None and set(self.rows) - set(live_rows):
             raise AssertionError(f"rings held by request rows SGLang freed: {sorted(set(self.rows) - set(live_rows))}")
+        missing = int(self._missing_entries)
+        if missing:
+            raise AssertionError(f"requests resumed with {missing} compressed entries missing (a token slot "
+                                 "of a completed group owned none: the radix cache matched past them)")
         used = self.usage()
         parts = sum(p.num_used * p.row_bytes for p in self.pools.values())
         if used["compressed_bytes"] != int(parts) or used["snapshot_bytes"] != sum(
@@ -511,15 +557,18 @@ class SglangV4Cache:
                 "snapshot_bytes": len(self.snapshots) * self.snapshot_bytes_each}
 
 
-def _host_rows(pending: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
-    """(ratio, device rows, -1 for none) pairs -> per ratio the real rows on the host (one copy)."""
-    if not pending:
-        return {}
-    host = torch.cat([rows.long() for _, rows in pending]).cpu()
+def _host_rows(pending: list[tuple[int, Tensor]], to_host: Callable[[Tensor], Tensor],
+               also: Tensor | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
+    """(ratio, device rows, -1 for none) pairs -> (per ratio the real rows on the host, ``also``
+    on the host), in one copy (``to_host``)."""
+    parts = [rows.long() for _, rows in pending] + ([also.long()] if also is not None else [])
+    if not parts:
+        return {}, None
+    host = to_host(torch.cat(parts))
     out: dict[int, list[Tensor]] = {}
     off = 0
     for r, rows in pending:
         part = host[off:off + rows.numel()]
         out.setdefault(r, []).append(part[part >= 0])
         off += rows.numel()
-    return {r: torch.cat(parts) for r, parts in out.items()}
+    return {r: torch.cat(p) for r, p in out.items()}, (host[off:] if also is not None else None)

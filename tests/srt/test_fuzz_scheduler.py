@@ -61,6 +61,8 @@ def test_fuzz_through_the_scheduler_matches_cache_off_with_checks_after_every_st
     assert on["rings_in_use"] == 0
     # every forward had its request rows on the host (no device read-back before a step)
     assert on["rows_read_back"] == 0 and off["rows_read_back"] == 0, (on["rows_read_back"], off["rows_read_back"])
+    # every resume bound from the snapshot key its radix match announced (no read of the table)
+    assert on["resume_keys_read_back"] == 0, on["resume_keys_read_back"]
     if num_ops < 10000:
         return  # a smaller run (reproducing a seed) need not reach every state below
     # every kind of operation ran, and what each is there for happened (no vacuous pass)

@@ -358,8 +358,13 @@ def test_serve_sweep_times_streamed_requests(servers):
     repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:  # benchmarks/ is not part of the installed package
         sys.path.insert(0, repo)
-    from benchmarks.serve_sweep import sweep
+    from benchmarks.serve_sweep import cache_counters, host_waits, sweep
 
+    before = cache_counters(servers[1].port)
     r = sweep(servers[1].port, concurrency=2, input_len=24, output_len=6, per_client=2, seed=5)
+    after = cache_counters(servers[1].port)
     assert r["requests"] == 4 and r["tok_s"] > 0
     assert 0 < r["ttft_ms"] < 1e3 * r["e2e_s"] and 0 < r["tpot_ms"] and 0 < r["itl_ms"]
+    # the cache's counters per step: on the CPU its tensors are host tensors, so no read syncs
+    assert after["forward_steps"] > before["forward_steps"] and after["host_reads"] == 0
+    assert host_waits(before, after) == "0.00 / 0.000"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.oracle import OracleModel
@@ -171,3 +172,93 @@ def test_pending_orphans_stay_bounded_and_keep_their_rows_without_a_free(micro):
     cache.check_integrity()
     # the 20 freed slots owned 5 ratio-4 rows, and the 5 they replaced went with them
     assert cache.pools[4].num_used == pending[4] + 2 * MAX_PENDING_ORPHANS // 4 - 10
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value into Python (``int()``, ``bool()``, ``.item()``):
+    each a host sync when the tensor is on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _shared_prefix(cfg, model, cache):
+    """Request A (row 0) prefills 261 tokens and snapshots there; request B (row 1) matched them
+    (A's slots) and brings 7 of its own. -> B's new tokens, and (P, key) of B's match."""
+    g = torch.Generator().manual_seed(9)
+    shared, tail = torch.randint(0, cfg.vocab_size, (261,), generator=g), torch.randint(0, cfg.vocab_size, (7,), generator=g)
+    slots = Slots()
+    cache.req_to_token[0, :261] = slots.take(261)
+    a = cache.bind(0, 1, 0)
+    model.forward(cache, [a], [shared])
+    cache.take_snapshot(a)
+    cache.req_to_token[1, :261] = cache.req_to_token[0, :261]
+    cache.req_to_token[1, 261:268] = slots.take(7)
+    return tail, cache.deepest_snapshot(cache.req_to_token[1, :268])
+
+
+def test_a_resume_its_match_announced_reads_nothing_back(micro):
+    """The radix match found the snapshot's slot on the host (``deepest_snapshot``) and the plugin
+    passes it on (``expect_resume``): the bind restores from it without reading a value from the
+    device (on a GPU, no sync on the request's path), and the request computes what a bind that
+    reads the key from the table computes."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    outs = []
+    for announced in (True, False):
+        cache = _cache(cfg, "torch")
+        tail, (resume, key) = _shared_prefix(cfg, model, cache)
+        assert resume == 261 and key == int(cache.req_to_token[0, 260])
+        if announced:
+            cache.expect_resume(1, 1, resume, key)
+        with _HostReads() as reads:
+            b = cache.bind(1, 1, resume)
+        assert reads.count == (0 if announced else 1)
+        assert cache.stats["resume_keys_read_back"] == (0 if announced else 1)
+        outs.append(model.forward(cache, [b], [tail])[0])
+        cache.check_integrity()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_stale_resume_announcement_is_not_used(micro):
+    """An announcement for another generation of the row, or one the row's release dropped, is
+    not taken: the bind reads the key from the table."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    cache = _cache(cfg, "torch")
+    _, (resume, key) = _shared_prefix(cfg, model, cache)
+    cache.expect_resume(1, 7, resume, -5)  # an earlier request of row 1 (generation 7)
+    cache.bind(1, 8, resume)
+    assert cache.stats["resume_keys_read_back"] == 1
+    cache.release_rows([1])
+    cache.expect_resume(1, 9, resume, key)
+    cache.release_rows([1])  # aborted before its forward
+    cache.bind(1, 9, resume)
+    assert cache.stats["resume_keys_read_back"] == 2
+
+
+def test_a_resume_missing_an_entry_fails_the_integrity_check(micro):
+    """A resume lists its entries without a host sync; an entry its prefix should own but does
+    not (a radix cache matching past it: a bug) is counted on the device and the next
+    integrity check fails on it."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    cache = _cache(cfg, "torch")
+    _, (resume, key) = _shared_prefix(cfg, model, cache)
+    cache.release_rows([0])  # request A finished (its row listed the entries)
+    cache.check_integrity()
+    slot = int(cache.req_to_token[1, 127])  # completes ratio-4 group 31 and ratio-128 group 0
+    rows = {r: int(cache.entry_of_slot[r][slot]) for r in RATIOS}
+    for r in RATIOS:  # the slot loses its entries behind the cache's back (rows back to the pool)
+        cache.entry_of_slot[r][slot] = -1
+        cache.pools[r].free(torch.tensor([rows[r]]))
+    cache.expect_resume(1, 1, resume, key)
+    cache.bind(1, 1, resume)
+    with pytest.raises(AssertionError, match="2 compressed entries missing"):
+        cache.check_integrity()

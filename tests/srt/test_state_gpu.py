@@ -141,3 +141,39 @@ def test_file_entries_fused_region_updates_the_tables_as_eager(ratio):
         assert torch.equal(a[5], b[5]) and torch.equal(a[6], b[6])
         assert torch.equal(got[0], want[0])
         assert (got[1] is None) == (want[1] is None) and (want[1] is None or torch.equal(got[1], want[1]))
+
+
+def test_a_resume_its_match_announced_binds_without_a_host_sync(tiny):
+    """The bind of a request whose radix match announced its snapshot (``expect_resume``, as the
+    plugin passes it from ``deepest_snapshot``) restores the state and lists its entries with
+    device work only: under torch's sync debug mode it raises nothing, and the request then
+    computes what a bind that reads the key from the table gives, bit for bit."""
+    cfg, w = tiny
+    model = V4Model(cfg, _gpu_weights(w, torch.bfloat16))
+    g = torch.Generator().manual_seed(12)
+    shared, tail = torch.randint(0, cfg.vocab_size, (300,), generator=g), torch.randint(0, cfg.vocab_size, (9,), generator=g)
+    outs = []
+    for announced in (True, False):
+        cache = _cache(cfg)
+        cache.req_to_token[0, :300] = torch.arange(1, 301)
+        a, _ = _forward(model, cache, 0, 1, 0, shared, [300])
+        cache.take_snapshot(a)
+        cache.req_to_token[1, :300] = cache.req_to_token[0, :300]
+        cache.req_to_token[1, 300:309] = torch.arange(1001, 1010)
+        resume, key = cache.deepest_snapshot(cache.req_to_token[1, :309])
+        assert resume == 300
+        reads = cache.stats["host_reads"]
+        if announced:
+            cache.expect_resume(1, 1, resume, key)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                b = cache.bind(1, 1, resume)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        else:
+            b = cache.bind(1, 1, resume)
+        assert cache.stats["host_reads"] - reads == (0 if announced else 1)  # the key, counted
+        outs.append(model.forward(cache, [b], [tail.cuda()])[0].float().cpu())
+        cache.check_integrity()
+    assert torch.equal(outs[0], outs[1])
