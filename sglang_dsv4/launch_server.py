@@ -6,7 +6,9 @@
 ``--dsv4-attention-backend {auto,torch,torch-fp8,flashmla}`` picks the cache's storage format and
 attention kernel (auto: FlashMLA on SM90/SM100 GPUs, float32 rows and torch elsewhere);
 ``--dsv4-cuda-graph-max-bs N`` replays decode steps of up to N requests from CUDA graphs on a GPU
-(default: SGLang's max running requests; 0 turns them off, as SGLang's ``--disable-cuda-graph`` does).
+(default: SGLang's max running requests; 0 turns them off, as SGLang's ``--disable-cuda-graph`` does);
+``--dsv4-cuda-graph-precapture-len N`` captures them at start-up for requests of up to N tokens
+(every batch bucket at each entry-table width up to N; default 0: each shape on its first use).
 ``--dsv4-weights {auto,bf16,fp8}`` picks the matrices' precision on the device (``kernels.weight_mode``:
 bf16 = dequantised; fp8 = the checkpoint's fp8 block-128 matrices kept, fp4 experts converted to fp8
 exactly; auto = fp8 on an SM90+ GPU with a checkpoint of fp4/fp8 experts, bf16 elsewhere).
@@ -28,8 +30,8 @@ import os
 import sys
 from pathlib import Path
 
-from .srt.pool_sizing import (ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY,
-                               SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY)
+from .srt.pool_sizing import (ATTENTION_BACKEND_KEY, CUDA_GRAPH_MAX_BS_KEY, CUDA_GRAPH_PRECAPTURE_KEY,
+                               DETERMINISTIC_KEY, SNAPSHOT_BUDGET_KEY, WEIGHTS_KEY)
 
 TINY_PRESETS = ("micro", "tiny")
 # SGLang server arguments for a CPU-only machine (as ServerArgs field names; True = a flag).
@@ -116,6 +118,7 @@ def _non_negative(parse, what: str):
 
 _budget_mb = _non_negative(float, "a number of MiB")
 _graph_max_bs = _non_negative(int, "a batch size (0 = no CUDA graphs)")
+_precapture_len = _non_negative(int, "a request length in tokens (0 = capture on first use)")
 
 
 def _attention_backend(flag: str, value: str) -> str:
@@ -155,6 +158,7 @@ DSV4_FLAGS = {
     "--dsv4-snapshot-budget-mb": (SNAPSHOT_BUDGET_KEY, _budget_mb),
     "--dsv4-attention-backend": (ATTENTION_BACKEND_KEY, _attention_backend),
     "--dsv4-cuda-graph-max-bs": (CUDA_GRAPH_MAX_BS_KEY, _graph_max_bs),
+    "--dsv4-cuda-graph-precapture-len": (CUDA_GRAPH_PRECAPTURE_KEY, _precapture_len),
     "--dsv4-weights": (WEIGHTS_KEY, _weights),
 }
 # our switches (no value) -> the model config override key set to true

@@ -12,11 +12,13 @@ from sglang_dsv4.launch_server import _parallel_ranks, cpu_arguments, cpu_enviro
 def test_dsv4_flags_become_model_overrides_and_merge_with_the_users():
     args = dsv4_arguments(["--port", "1", "--dsv4-snapshot-budget-mb", "64",
                            "--dsv4-attention-backend=torch-fp8", "--dsv4-deterministic",
+                           "--dsv4-cuda-graph-precapture-len", "4096",
                            "--json-model-override-args", '{"other": 1}'])
     assert args[:2] == ["--port", "1"]
     i = args.index("--json-model-override-args")
     assert json.loads(args[i + 1]) == {"other": 1, "dsv4_snapshot_budget_mb": 64.0,
-                                       "dsv4_attention_backend": "torch-fp8", "dsv4_deterministic": True}
+                                       "dsv4_attention_backend": "torch-fp8", "dsv4_deterministic": True,
+                                       "dsv4_cuda_graph_precapture_len": 4096}
     assert dsv4_arguments(["--port", "1"]) == ["--port", "1"]
 
 
@@ -26,6 +28,7 @@ def test_dsv4_flags_become_model_overrides_and_merge_with_the_users():
     (["--dsv4-attention-backend", "cuda"], "expected one of auto, torch, torch-fp8, flashmla"),
     (["--dsv4-attention-backend"], "expected a value"),
     (["--dsv4-deterministic=yes"], "takes no value"),
+    (["--dsv4-cuda-graph-precapture-len", "-5"], "must be >= 0"),
 ])
 def test_bad_dsv4_flags_are_refused_by_name(argv, message):
     with pytest.raises(SystemExit, match=message):

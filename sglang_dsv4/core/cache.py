@@ -68,6 +68,8 @@ class V4Cache:
     float storage.
     """
 
+    host_entries = True  # plan_tables builds each step's entry tables from the page tables
+
     def __init__(self, cfg: V4Config, max_requests: int = 8, max_total_tokens: int = 65536,
                  page_size: int = 64, max_seq_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -139,17 +141,21 @@ class V4Cache:
         """The step's tables from the page tables, all built on the host (this is the reference)."""
         reserved = self.reserve_entries(list(reqs), lens)
         write, table, widths = {}, {}, {}
+        widths_of_end = self.table_widths(max(s + n for s, n in zip(starts, lens)))
         for r, pool in self.pools.items():
             rows = torch.full((positions.numel(),), pool.scratch_row, dtype=torch.long)
             done = completing_tokens(positions, r)
             rows[done] = torch.cat(reserved[r]) if reserved[r] else rows[done]
-            width = entry_width(max((s + n) // r for s, n in zip(starts, lens)), self.max_seq_len // r, self.device)
+            width = widths_of_end[r]
             t = torch.full((len(reqs), width), -1, dtype=torch.long)
             for i, (q, s, n) in enumerate(zip(reqs, starts, lens)):
                 m = (s + n) // r
                 t[i, :m] = self.entry_rows(q, r, m)
             write[r], table[r], widths[r] = rows, t, width
         return TablePlan(write, table, widths)
+
+    def table_widths(self, end: int) -> dict[int, int]:
+        return {r: entry_width(end // r, self.max_seq_len // r, self.device) for r in self.pools}
 
     def apply_tables(self, step: StepBatch, write: dict[int, Tensor], entries: dict[int, Tensor] | None,
                      widths: dict[int, int]) -> StepTables:

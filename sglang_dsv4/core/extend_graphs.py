@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from .graphs import CapturedSteps, capture
+from .graphs import CapturedSteps, capture, width_classes
 from .step import (C128, CPU_TOKEN_TILE, C128Segments, StepBatch, TablePlan, TokenIds, _c128_segments,
                    flat_tokens, token_lens)
 
@@ -250,6 +250,23 @@ class ExtendGraphs(CapturedSteps):
         g.graph.replay()
         cache.retire({r: t.clone() for r, t in g.replaced.items()})  # the next replay overwrites them
         return g.streams, g.hidden
+
+    def precapture(self, cache: V4CacheView, max_end: int, requests: Sequence[int] = (1,)) -> list[ExtendShape]:
+        """Capture now what ``run`` would capture on first use for extends of ``requests``
+        requests ending at up to ``max_end`` tokens: every token bucket (largest first) at each
+        of their entry-table widths. -> the shapes captured now."""
+        new = []
+        for widths in width_classes(cache, max_end):
+            for B in requests:
+                for T in reversed(self.buckets):
+                    if T < B + 1 or B > self.max_requests:
+                        continue  # no room for B requests' tokens and the padding request's
+                    shape = extend_shape(T, B, widths, cache.host_entries, self.model.device)
+                    _, captured = self.graph_for(cache, shape, lambda: self._capture(cache, shape))
+                    if captured:
+                        self.captured.append(shape)
+                        new.append(shape)
+        return new
 
     def _capture(self, cache: V4CacheView, shape: ExtendShape) -> _Graph:
         dev = self.model.device

@@ -116,6 +116,22 @@ class DecodeGraphs(CapturedSteps):
         g.graph.replay()
         return g.streams, g.hidden
 
+    def precapture(self, cache: V4CacheView, max_end: int) -> list[tuple[int, tuple[int, ...]]]:
+        """Capture now what ``run`` would capture on first use for steps whose longest request
+        ends at up to ``max_end`` tokens: every batch bucket at each of their entry-table widths
+        (largest batch first, as SGLang captures, so the pool is sized once). The compiles and
+        captures then happen at start-up, not on the first requests of each shape.
+        -> the (bucket, widths) captured now."""
+        new = []
+        for widths in width_classes(cache, max_end):
+            key = tuple(widths[r] for r in sorted(widths))
+            for b in reversed(self.buckets):
+                _, captured = self.graph_for(cache, (b, key), lambda: self._capture(cache, b, widths, cache.host_entries))
+                if captured:
+                    self.captured.append((b, key))
+                    new.append((b, key))
+        return new
+
     def _arange(self, b: int, device: torch.device) -> Tensor:
         if b not in self._aranges:
             self._aranges[b] = torch.arange(b, device=device)
@@ -150,6 +166,21 @@ class DecodeGraphs(CapturedSteps):
 
         graph, (streams, hidden) = capture(body, self.pool)
         return _Graph(graph, ids, inputs, streams, hidden)
+
+
+def width_classes(cache: V4CacheView, max_end: int) -> list[dict[int, int]]:
+    """The distinct entry-table widths (``cache.table_widths``) of steps whose longest request
+    ends at 1 to ``max_end`` tokens, narrowest first. Widths are powers of two of ``end // r``,
+    so the ends 2^k (and ``max_end``) meet every one of them."""
+    out: list[dict[int, int]] = []
+    end = 1
+    while True:
+        widths = cache.table_widths(min(end, max_end))
+        if widths not in out:
+            out.append(widths)
+        if end >= max_end:
+            return out
+        end *= 2
 
 
 def capture(body: Callable[[], _T], pool) -> tuple[torch.cuda.CUDAGraph, _T]:

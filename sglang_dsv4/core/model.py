@@ -148,6 +148,19 @@ class V4Model:
 
                 self.extend_graphs = ExtendGraphs(self)
 
+    def precapture_graphs(self, cache: V4CacheView, max_end: int) -> tuple[list, list]:
+        """Capture the graphs ``enable_cuda_graphs`` turned on for steps whose longest request
+        ends at up to ``max_end`` tokens now, instead of on their first use: the decode step of
+        every batch bucket, and with extend graphs the extends of one request in every token
+        bucket, at each entry-table width up to that length (``graphs.width_classes``). A
+        server does this at start-up so no request waits for a compile or a capture of a shape
+        it is the first to need. -> (decode keys, extend shapes) captured now."""
+        if self.graphs is None:
+            raise ValueError("precapture_graphs needs enable_cuda_graphs first")
+        decode = self.graphs.precapture(cache, max_end)
+        extend = self.extend_graphs.precapture(cache, max_end) if self.extend_graphs is not None else []
+        return decode, extend
+
     def _stack_experts(self) -> None:
         """Stacked expert matrices for the GPU's grouped GEMM (bf16: ``torch._grouped_mm``; fp8:
         ``kernels.fp8_moe``); per-expert entries become views."""

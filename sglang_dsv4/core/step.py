@@ -80,9 +80,14 @@ class V4CacheView(Protocol):
     pools: dict[int, EntryPool]       # ratio -> compressed entries
     c4_index: dict[int, int]          # layer -> index among ratio-4 layers
     c128_index: dict[int, int]        # layer -> index among ratio-128 layers
+    host_entries: bool                # plan_tables builds the entry tables on the host (the reference)
 
     def check_length(self, req: RequestState, num_new: int) -> None:
         """Raise ValueError if the request would exceed the cache's maximum length."""
+
+    def table_widths(self, end: int) -> dict[int, int]:
+        """The entry tables' width per ratio of a step whose longest request ends at ``end``
+        tokens (``entry_width``; what ``plan_tables`` gives such a step)."""
 
     def plan_tables(self, reqs: Sequence[RequestState], starts: list[int], lens: list[int],
                     positions: Tensor) -> TablePlan:

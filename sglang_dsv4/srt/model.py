@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Iterable
 
 import torch
@@ -21,7 +22,8 @@ from ..core.model import V4Model, weight_dtypes
 from ..core.parallel import DataParallelTokens, ModelParallel, TensorSharder
 from ..core.step import DETERMINISTIC_TILE
 from ..kernels.weight_mode import WEIGHTS_KEY, select_weight_mode
-from .pool_sizing import CUDA_GRAPH_MAX_BS_KEY, DETERMINISTIC_KEY, SNAPSHOT_BUDGET_KEY, cache_backend
+from .pool_sizing import (CUDA_GRAPH_MAX_BS_KEY, CUDA_GRAPH_PRECAPTURE_KEY, DETERMINISTIC_KEY, SNAPSHOT_BUDGET_KEY,
+                          cache_backend)
 from .state import SglangV4Cache
 
 logger = logging.getLogger(__name__)
@@ -230,7 +232,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         SGLang's own graph runner is off for us (torch_native attention, patches/server-arg-
         overrides.md), so its flags are read here: ``--disable-cuda-graph`` turns ours off,
         ``--cuda-graph-max-bs`` bounds the batch; our model override key ``dsv4_cuda_graph_max_bs``
-        (``--dsv4-cuda-graph-max-bs``) wins over both. Default: up to the max running requests."""
+        (``--dsv4-cuda-graph-max-bs``) wins over both. Default: up to the max running requests.
+        ``dsv4_cuda_graph_precapture_len`` N > 0 (``--dsv4-cuda-graph-precapture-len``): the
+        graphs of requests up to N tokens are captured here, at start-up (``V4Model.precapture_graphs``),
+        and the log lists them; otherwise each shape is captured on its first use."""
         if self.core is None or self.core.device.type != "cuda":
             return
         if self.core.data_parallel is not None:
@@ -251,11 +256,22 @@ class DeepseekV4ForCausalLM(nn.Module):
         # until the GPU server has run with them (in-process their replay is the eager step's bits)
         extend = os.environ.get("SGLANG_DSV4_EXTEND_GRAPHS", "0") == "1"
         self.core.enable_cuda_graphs(int(max_bs), extend=extend)
-        logger.info("sglang_dsv4: CUDA graphs of the decode step on, batch buckets %s (captured on first use)",
-                    list(self.core.graphs.buckets))
+        upto = int(getattr(self.config, CUDA_GRAPH_PRECAPTURE_KEY, 0) or 0)
+        logger.info("sglang_dsv4: CUDA graphs of the decode step on, batch buckets %s (%s)",
+                    list(self.core.graphs.buckets),
+                    f"captured now for requests of up to {upto} tokens" if upto > 0 else "captured on first use")
         if self.core.extend_graphs is not None:
             logger.info("sglang_dsv4: CUDA graphs of extends on: up to %d requests, token buckets %s",
                         self.core.extend_graphs.max_requests, list(self.core.extend_graphs.buckets))
+        if upto > 0:
+            t0 = time.perf_counter()
+            decode, extend_shapes = self.core.precapture_graphs(self.cache, min(upto, self.cache.max_seq_len))
+            widths = sorted({w for _, w in decode})
+            logger.info("sglang_dsv4: captured %d decode graphs (batch buckets %s x entry widths %s) and %d extend "
+                        "graphs (1 request, token buckets %s) in %.1f s; %.2f GiB of device memory in use",
+                        len(decode), sorted({b for b, _ in decode}), widths, len(extend_shapes),
+                        sorted({s.tokens for s in extend_shapes}), time.perf_counter() - t0,
+                        torch.cuda.memory_allocated() / 2**30)
 
     def attach_sglang_pools(self, req_to_token_pool, token_allocator, enable_metrics: bool = False) -> None:
         """Build the V4 cache beside SGLang's pools: one slot state per request row, one entry

@@ -29,6 +29,8 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256  # upstream's V4 default too; each request ro
 SNAPSHOT_BUDGET_KEY = "dsv4_snapshot_budget_mb"  # read from the HF config (json model overrides)
 ATTENTION_BACKEND_KEY = "dsv4_attention_backend"  # likewise: auto | torch | torch-fp8 | flashmla
 CUDA_GRAPH_MAX_BS_KEY = "dsv4_cuda_graph_max_bs"  # likewise: decode graphs up to this batch; 0 = off
+# likewise: capture the graphs at start-up for requests of up to this many tokens; 0 = on first use
+CUDA_GRAPH_PRECAPTURE_KEY = "dsv4_cuda_graph_precapture_len"
 WEIGHTS_KEY = _WEIGHTS_KEY  # likewise: auto | bf16 | fp8 (kernels.weight_mode)
 DETERMINISTIC_KEY = "dsv4_deterministic"  # likewise: true = V4Model's deterministic mode
 ENTRY_PAGE_ROWS = 64  # rows per storage page of the cache's entry pools (FlashMLA's paged layout)

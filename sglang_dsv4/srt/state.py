@@ -129,6 +129,8 @@ class SglangV4Cache:
     layout or float rows of ``dtype``. Compressor state is ``dtype`` (float32) either way.
     """
 
+    host_entries = False  # the entry tables live on the device, appended by apply_tables
+
     def __init__(self, cfg: V4Config, num_req_rows: int, num_token_slots: int, max_seq_len: int,
                  snapshot_budget_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -292,8 +294,7 @@ class SglangV4Cache:
         # server's critical path): the tokens that complete a group are the e // r - s // r of
         # each request, and the last end is the largest position + 1
         pos = positions.numpy()
-        end = int(pos.max()) + 1
-        write, widths = {}, {}
+        write = {}
         for r, pool in self.pools.items():
             done = completing_tokens(pos, r)
             n = int(np.count_nonzero(done))
@@ -301,8 +302,10 @@ class SglangV4Cache:
             if n:
                 w[done] = pool.alloc(n).numpy()
             write[r] = torch.from_numpy(w)
-            widths[r] = entry_width(end // r, self.req_entries[r].shape[1], self.device)
-        return TablePlan(write, None, widths)
+        return TablePlan(write, None, self.table_widths(int(pos.max()) + 1))
+
+    def table_widths(self, end: int) -> dict[int, int]:
+        return {r: entry_width(end // r, self.req_entries[r].shape[1], self.device) for r in self.pools}
 
     def apply_tables(self, step: StepBatch, write: dict[int, Tensor], entries: dict[int, Tensor] | None,
                      widths: dict[int, int]) -> StepTables:

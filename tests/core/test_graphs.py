@@ -107,3 +107,52 @@ def test_captured_steps_reuse_a_shapes_graph_until_the_storage_moves(monkeypatch
     assert not any(store.graphs.values())
     store.graph_for(Cache(), (8, (64,)), capture)
     assert store.pool == 1 and len(made) == 4
+
+
+def test_width_classes_are_every_width_a_step_up_to_the_length_takes(tiny):
+    """``graphs.width_classes``: the entry-table widths of steps ending at 1..max_end tokens,
+    each once, narrowest first (the GPU's power-of-two buckets; on the CPU one width)."""
+    from sglang_dsv4.core.graphs import width_classes
+
+    cfg, _ = tiny
+    for make in (_serving, _reference):
+        cache = make(cfg)
+        assert width_classes(cache, 1000) == [cache.table_widths(1000)]  # the CPU: the full width
+        cache.device = torch.device("cuda")  # table_widths reads only this: the GPU's buckets
+        for max_end in (1, 300, 1000, 1024):
+            every = [cache.table_widths(e) for e in range(1, max_end + 1)]
+            classes = width_classes(cache, max_end)
+            assert classes == [w for i, w in enumerate(every) if w not in every[:i]]
+        # ratio 4: 64, 128, then 256 (the tables' cap at 1024 tokens); ratio 128: 64 throughout
+        assert [w[4] for w in width_classes(cache, 1024)] == [64, 128, 256]
+
+
+def test_precapture_takes_every_shape_steps_up_to_the_length_use(tiny, monkeypatch):
+    """Start-up capture (``precapture``) covers the decode graph key of every batch and the
+    extend shape of one request of every token count, at every length up to ``max_end``, so
+    none is captured on its first use; a second call captures nothing. The capture itself is
+    the GPU's (``test_step_gpu.py``); here what would be captured is recorded."""
+    from types import SimpleNamespace
+
+    from sglang_dsv4.core.extend_graphs import ExtendGraphs, extend_shape
+    from sglang_dsv4.core.graphs import DecodeGraphs, width_classes
+
+    cfg, _ = tiny
+    cache = _serving(cfg)
+    cache.device = torch.device("cuda")  # the GPU's width buckets (table_widths reads only this)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: 0)
+    model = SimpleNamespace(device=torch.device("cuda"))
+    decode, extend = DecodeGraphs(model, max_batch=64), ExtendGraphs(model)
+    monkeypatch.setattr(decode, "_capture", lambda cache, b, widths, host: (b, dict(widths), host))
+    monkeypatch.setattr(extend, "_capture", lambda cache, shape: shape)
+    keys, shapes = set(decode.precapture(cache, 700)), set(extend.precapture(cache, 700))
+    assert len(keys) == len(decode.buckets) * len(width_classes(cache, 700)) == len(decode.captured)
+    for end in range(1, 701):
+        widths = cache.table_widths(end)
+        for batch in (1, 3, 17, 64):
+            assert (decode.bucket(batch), tuple(widths[r] for r in sorted(widths))) in keys
+        for n in (2, 31, 32, 500, min(end, 1023)):
+            if extend.bucket(n) is not None:
+                assert extend_shape(extend.bucket(n), 1, widths, False, model.device) in shapes
+    assert decode.precapture(cache, 700) == [] and extend.precapture(cache, 700) == []
+    assert decode.graphs[cache][next(iter(decode.graphs[cache]))][2] is False  # the device's tables

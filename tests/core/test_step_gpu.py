@@ -198,3 +198,30 @@ def test_the_attention_casts_inside_the_fused_projections_give_the_same_bits(tin
     o = torch.randn(tokens, cfg.num_attention_heads, cfg.head_dim, generator=g, device=DEV).to(torch.bfloat16)
     got = ops.attention_output(o, lw, rope, cfg, torch.float32)
     assert torch.equal(got, ops.attention_output(o.float(), lw, rope, cfg))
+
+
+def test_graphs_captured_at_start_up_replay_as_those_captured_on_first_use(tiny_gpu, serving_rows):
+    """``V4Model.precapture_graphs`` (a server's start-up, ``--dsv4-cuda-graph-precapture-len``)
+    captures every batch bucket's decode step and every token bucket's one-request extend at
+    each width up to the length; the steps after it capture nothing new and equal, bit for bit,
+    a model whose graphs were captured on first use."""
+    cfg, w = tiny_gpu
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (20, 130, 300)]
+    tails = torch.randint(0, cfg.vocab_size, (3, 4), generator=g).to(DEV)
+    outs = []
+    for early in (True, False):
+        model = V4Model(cfg, w)
+        model.enable_cuda_graphs(max_batch=4, extend=True)
+        srv = serving_rows(cfg, 4)
+        if early:
+            decode, extend = model.precapture_graphs(srv.cache, 512)
+            assert sorted({b for b, _ in decode}) == [1, 2, 4] and extend
+            counts = len(model.graphs.captured), len(model.extend_graphs.captured)
+        states = _prefill_all(model, srv, prompts)  # extends of one request, < 1024 tokens
+        out = [torch.cat(_decode(model, srv, range(3), states, tails[:, t], as_batch=True)) for t in range(4)]
+        if early:
+            assert (len(model.graphs.captured), len(model.extend_graphs.captured)) == counts
+        outs.append(torch.stack(out))
+        srv.cache.check_integrity()
+    assert torch.equal(outs[0], outs[1])
