@@ -60,6 +60,7 @@ class SnapshotRadixCache(RadixCache):
             # right before this <think> (with </think>answer), so it resumes there
             forks.add(len(req.origin_input_ids) - 1)
         full_len = result.device_prefix_len
+        setattr(req, RESUME_ATTR, (0, -1))  # this match's, not an earlier one's (a retracted request)
         if full_len:
             slots = self.path_device_indices(result.last_device_node)[:full_len]
             resume, key = cache.deepest_snapshot(slots)
