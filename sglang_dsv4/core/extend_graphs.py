@@ -203,8 +203,7 @@ class ExtendGraphs(CapturedSteps):
         starts = [r.num_tokens for r in reqs]
         positions = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)]))
         plan = cache.plan_tables(reqs, starts, lens, positions)
-        shape = extend_shape(self.bucket(sum(lens)), len(reqs), plan.widths, plan.entries is not None,
-                             self.model.device)
+        shape = extend_shape(self.bucket(sum(lens)), len(reqs), plan.widths, cache.host_entries, self.model.device)
         host = extend_inputs(shape, [r.slot for r in reqs], starts, lens, plan,
                              cache.layout.scratch_slot(cache.slot_state),
                              {r: p.scratch_row for r, p in cache.pools.items()})

@@ -105,8 +105,7 @@ class DecodeGraphs(CapturedSteps):
         plan = cache.plan_tables(reqs, starts, [1] * B, positions)
         ratios = sorted(plan.widths)
         widths = tuple(plan.widths[r] for r in ratios)
-        g, new = self.graph_for(cache, (b, widths), lambda: self._capture(cache, b, plan.widths,
-                                                                          plan.entries is not None))
+        g, new = self.graph_for(cache, (b, widths), lambda: self._capture(cache, b, plan.widths, cache.host_entries))
         if new:
             self.captured.append((b, widths))
             logger.info("sglang_dsv4: captured the decode step for batch %d (entry widths %s)", b, widths)

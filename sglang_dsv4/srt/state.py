@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -194,6 +194,22 @@ class SglangV4Cache:
         self.stats["host_read_ms"] += (time.perf_counter() - t0) * 1e3
         return out
 
+    def _host_rows(self, pending: list[tuple[int, Tensor]],
+                   also: Tensor | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
+        """(ratio, device rows, -1 for none) pairs -> (per ratio the real rows on the host, ``also``
+        on the host), in one copy (``_to_host``)."""
+        parts = [rows.long() for _, rows in pending] + ([also.long()] if also is not None else [])
+        if not parts:
+            return {}, None
+        host = self._to_host(torch.cat(parts))
+        out: dict[int, list[Tensor]] = {}
+        off = 0
+        for r, rows in pending:
+            part = host[off:off + rows.numel()]
+            out.setdefault(r, []).append(part[part >= 0])
+            off += rows.numel()
+        return {r: torch.cat(p) for r, p in out.items()}, (host[off:] if also is not None else None)
+
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
         """The request state of ``row`` about to process tokens from ``prefix_len`` on.
@@ -332,7 +348,7 @@ class SglangV4Cache:
         rows every ``MAX_PENDING_ORPHANS`` tensors, so it stays bounded (one host copy each)."""
         self._orphans.extend(replaced.items())
         if len(self._orphans) > MAX_PENDING_ORPHANS:
-            self._orphans = [(r, rows.to(self.device)) for r, rows in _host_rows(self._orphans, self._to_host)[0].items()
+            self._orphans = [(r, rows.to(self.device)) for r, rows in self._host_rows(self._orphans)[0].items()
                              if rows.numel()]
 
     # ---- snapshots -----------------------------------------------------------------------
@@ -421,7 +437,7 @@ class SglangV4Cache:
         ``also`` (the freed slots, when snapshots may sit on them) to the host: one copy."""
         freed = freed + self._orphans
         self._orphans = []
-        rows, extra = _host_rows(freed, self._to_host, also)
+        rows, extra = self._host_rows(freed, also)
         for r, host in rows.items():
             self.pools[r].free(host)
         return extra
@@ -559,19 +575,3 @@ class SglangV4Cache:
                 "snapshots": len(self.snapshots),
                 "snapshot_bytes": len(self.snapshots) * self.snapshot_bytes_each}
 
-
-def _host_rows(pending: list[tuple[int, Tensor]], to_host: Callable[[Tensor], Tensor],
-               also: Tensor | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
-    """(ratio, device rows, -1 for none) pairs -> (per ratio the real rows on the host, ``also``
-    on the host), in one copy (``to_host``)."""
-    parts = [rows.long() for _, rows in pending] + ([also.long()] if also is not None else [])
-    if not parts:
-        return {}, None
-    host = to_host(torch.cat(parts))
-    out: dict[int, list[Tensor]] = {}
-    off = 0
-    for r, rows in pending:
-        part = host[off:off + rows.numel()]
-        out.setdefault(r, []).append(part[part >= 0])
-        off += rows.numel()
-    return {r: torch.cat(p) for r, p in out.items()}, (host[off:] if also is not None else None)
