@@ -29,6 +29,17 @@ from .state import SglangV4Cache
 logger = logging.getLogger(__name__)
 
 
+def override_count(config, key: str) -> int:
+    """The model override ``key`` of ``config`` as a count >= 0 (0 when unset); a ValueError naming
+    the key and the value otherwise (raised while the server loads, before any request)."""
+    value = getattr(config, key, None)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"--json-model-override-args {key}: expected a whole number >= 0, got {value!r}")
+    return value
+
+
 class CoreHeadMethod:
     """The head GEMM of SGLang's LogitsProcessor, as the core computes it.
 
@@ -236,6 +247,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         ``dsv4_cuda_graph_precapture_len`` N > 0 (``--dsv4-cuda-graph-precapture-len``): the
         graphs of requests up to N tokens are captured here, at start-up (``V4Model.precapture_graphs``),
         and the log lists them; otherwise each shape is captured on its first use."""
+        upto = override_count(self.config, CUDA_GRAPH_PRECAPTURE_KEY)  # a bad value fails on any device
         if self.core is None or self.core.device.type != "cuda":
             return
         if self.core.data_parallel is not None:
@@ -256,7 +268,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         # until the GPU server has run with them (in-process their replay is the eager step's bits)
         extend = os.environ.get("SGLANG_DSV4_EXTEND_GRAPHS", "0") == "1"
         self.core.enable_cuda_graphs(int(max_bs), extend=extend)
-        upto = int(getattr(self.config, CUDA_GRAPH_PRECAPTURE_KEY, 0) or 0)
         logger.info("sglang_dsv4: CUDA graphs of the decode step on, batch buckets %s (%s)",
                     list(self.core.graphs.buckets),
                     f"captured now for requests of up to {upto} tokens" if upto > 0 else "captured on first use")

@@ -45,3 +45,16 @@ def test_sglangs_logits_code_runs_the_core_head(micro, monkeypatch, deterministi
     # a row's logits do not depend on the rows with it (here on the CPU in both modes)
     alone = LogitsProcessor._compute_lm_head(SimpleNamespace(use_fp32_lm_head=False), hidden[5:6], lm_head)
     assert torch.equal(alone[0], logits[5])
+
+
+@pytest.mark.parametrize("value, message", [("1024", "got '1024'"), (-1, "got -1"), (2.5, "got 2.5"), (True, "got True")])
+def test_a_bad_precapture_length_override_is_refused_by_name(value, message):
+    """``dsv4_cuda_graph_precapture_len`` given straight in ``--json-model-override-args`` (the
+    launcher's flag checks its own): anything but a whole number >= 0 fails the load, naming the key."""
+    from sglang_dsv4.srt.model import override_count
+    from sglang_dsv4.srt.pool_sizing import CUDA_GRAPH_PRECAPTURE_KEY
+
+    assert override_count(SimpleNamespace(), CUDA_GRAPH_PRECAPTURE_KEY) == 0
+    assert override_count(SimpleNamespace(**{CUDA_GRAPH_PRECAPTURE_KEY: 4096}), CUDA_GRAPH_PRECAPTURE_KEY) == 4096
+    with pytest.raises(ValueError, match=f"{CUDA_GRAPH_PRECAPTURE_KEY}: expected a whole number >= 0, {message}"):
+        override_count(SimpleNamespace(**{CUDA_GRAPH_PRECAPTURE_KEY: value}), CUDA_GRAPH_PRECAPTURE_KEY)
