@@ -29,12 +29,12 @@ from .state import SglangV4Cache
 logger = logging.getLogger(__name__)
 
 
-def override_count(config, key: str) -> int:
-    """The model override ``key`` of ``config`` as a count >= 0 (0 when unset); a ValueError naming
-    the key and the value otherwise (raised while the server loads, before any request)."""
+def override_count(config, key: str, unset: int | None = 0) -> int | None:
+    """The model override ``key`` of ``config`` as a count >= 0 (``unset`` when absent); a ValueError
+    naming the key and the value otherwise (raised while the server loads, before any request)."""
     value = getattr(config, key, None)
     if value is None:
-        return 0
+        return unset
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"--json-model-override-args {key}: expected a whole number >= 0, got {value!r}")
     return value
@@ -247,13 +247,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         ``dsv4_cuda_graph_precapture_len`` N > 0 (``--dsv4-cuda-graph-precapture-len``): the
         graphs of requests up to N tokens are captured here, at start-up (``V4Model.precapture_graphs``),
         and the log lists them; otherwise each shape is captured on its first use."""
-        upto = override_count(self.config, CUDA_GRAPH_PRECAPTURE_KEY)  # a bad value fails on any device
+        upto = override_count(self.config, CUDA_GRAPH_PRECAPTURE_KEY)  # bad values fail on any device
+        max_bs = override_count(self.config, CUDA_GRAPH_MAX_BS_KEY, unset=None)
         if self.core is None or self.core.device.type != "cuda":
             return
         if self.core.data_parallel is not None:
             logger.info("sglang_dsv4: CUDA graphs of the decode step are off under data-parallel attention")
             return
-        max_bs = getattr(self.config, CUDA_GRAPH_MAX_BS_KEY, None)
         if max_bs is None:
             if getattr(server_args, "disable_cuda_graph", False):
                 max_bs = 0

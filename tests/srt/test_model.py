@@ -47,14 +47,19 @@ def test_sglangs_logits_code_runs_the_core_head(micro, monkeypatch, deterministi
     assert torch.equal(alone[0], logits[5])
 
 
+@pytest.mark.parametrize("key", ["dsv4_cuda_graph_precapture_len", "dsv4_cuda_graph_max_bs"])
 @pytest.mark.parametrize("value, message", [("1024", "got '1024'"), (-1, "got -1"), (2.5, "got 2.5"), (True, "got True")])
-def test_a_bad_precapture_length_override_is_refused_by_name(value, message):
-    """``dsv4_cuda_graph_precapture_len`` given straight in ``--json-model-override-args`` (the
-    launcher's flag checks its own): anything but a whole number >= 0 fails the load, naming the key."""
-    from sglang_dsv4.srt.model import override_count
-    from sglang_dsv4.srt.pool_sizing import CUDA_GRAPH_PRECAPTURE_KEY
+def test_a_bad_graph_override_is_refused_by_name_on_any_device(key, value, message):
+    """The graph keys given straight in ``--json-model-override-args`` (the launcher's flags check
+    their own): anything but a whole number >= 0 fails the load, naming the key, also on the CPU
+    where no graph is captured."""
+    from sglang_dsv4.srt.model import DeepseekV4ForCausalLM, override_count
 
-    assert override_count(SimpleNamespace(), CUDA_GRAPH_PRECAPTURE_KEY) == 0
-    assert override_count(SimpleNamespace(**{CUDA_GRAPH_PRECAPTURE_KEY: 4096}), CUDA_GRAPH_PRECAPTURE_KEY) == 4096
-    with pytest.raises(ValueError, match=f"{CUDA_GRAPH_PRECAPTURE_KEY}: expected a whole number >= 0, {message}"):
-        override_count(SimpleNamespace(**{CUDA_GRAPH_PRECAPTURE_KEY: value}), CUDA_GRAPH_PRECAPTURE_KEY)
+    assert override_count(SimpleNamespace(), key) == 0
+    assert override_count(SimpleNamespace(), key, unset=None) is None
+    assert override_count(SimpleNamespace(**{key: 4096}), key) == 4096
+    model = SimpleNamespace(config=SimpleNamespace(**{key: value}), core=None)  # a CPU load: no core on a GPU
+    with pytest.raises(ValueError, match=f"{key}: expected a whole number >= 0, {message}"):
+        DeepseekV4ForCausalLM.enable_decode_graphs(model, SimpleNamespace())
+    model.config = SimpleNamespace(**{key: 0})
+    DeepseekV4ForCausalLM.enable_decode_graphs(model, SimpleNamespace())  # valid: nothing to do on the CPU
