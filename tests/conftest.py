@@ -113,6 +113,19 @@ def serving_rows():
     return ServingRows
 
 
+@pytest.fixture
+def eager_regions(monkeypatch):
+    """The fused regions run as their eager functions (``core.compiled``). With compilation on,
+    which compiled variant runs a call depends on the calls before it: Dynamo keeps a static
+    entry for a function's first shape beside the dynamic one both match, and tries the most
+    recently used first; a replay makes no lookup while the run it is compared with does, so
+    the two can pick different kernels of different rounding. Bit-for-bit claims about the
+    graph's layout, buffers and inputs therefore hold the kernels fixed."""
+    from sglang_dsv4.core import compiled
+
+    monkeypatch.setattr(compiled, "ENABLED", False)
+
+
 @pytest.fixture(scope="session")
 def triton_interpreted():
     """Runs a script under ``TRITON_INTERPRET=1`` (Triton kernels on CPU tensors) in its own

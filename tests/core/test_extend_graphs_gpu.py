@@ -49,7 +49,7 @@ def _run(cfg, w, serving_rows, mode: str):
     return outs, graphs
 
 
-def test_an_extend_replayed_from_a_graph_equals_its_layout_run_eagerly(tiny_gpu, serving_rows):
+def test_an_extend_replayed_from_a_graph_equals_its_layout_run_eagerly(tiny_gpu, serving_rows, eager_regions):
     cfg, w = tiny_gpu
     laid_out, _ = _run(cfg, w, serving_rows, "uncaptured")
     replayed, graphs = _run(cfg, w, serving_rows, "graphs")
@@ -68,7 +68,8 @@ def test_an_extend_from_a_graph_follows_the_unpadded_eager_extend(tiny_gpu, serv
         assert err.max() < 2e-2, (L, n, float(err.max()))
 
 
-def test_an_extend_of_several_requests_replayed_equals_its_layout_run_eagerly(tiny_gpu, serving_rows):
+def test_an_extend_of_several_requests_replayed_equals_its_layout_run_eagerly(tiny_gpu, serving_rows,
+                                                                             eager_regions):
     """Three requests in one extend (as SGLang batches prefills that arrive together), one of
     them a single token, then a decode step of the three."""
     cfg, w = tiny_gpu

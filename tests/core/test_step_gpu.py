@@ -200,11 +200,12 @@ def test_the_attention_casts_inside_the_fused_projections_give_the_same_bits(tin
     assert torch.equal(got, ops.attention_output(o.float(), lw, rope, cfg))
 
 
-def test_graphs_captured_at_start_up_replay_as_those_captured_on_first_use(tiny_gpu, serving_rows):
+def test_graphs_captured_at_start_up_replay_as_those_captured_on_first_use(tiny_gpu, serving_rows, eager_regions):
     """``V4Model.precapture_graphs`` (a server's start-up, ``--dsv4-cuda-graph-precapture-len``)
     captures every batch bucket's decode step and every token bucket's one-request extend at
     each width up to the length; the steps after it capture nothing new and equal, bit for bit,
-    a model whose graphs were captured on first use."""
+    a model whose graphs were captured on first use (the fused regions eager: ``eager_regions``,
+    since the start-up captures run many shapes first, and with them other compiled variants)."""
     cfg, w = tiny_gpu
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (20, 130, 300)]
