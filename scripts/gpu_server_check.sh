@@ -58,12 +58,14 @@ trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; save_compile_caches' E
 # SERVER_ARGS: more server arguments; SWEEP / SWEEP_LABEL: a throughput sweep after the checks;
 # PROFILE_HIT: prompt lengths for benchmarks/profile_server.py (a hit's TTFT under SGLang's profiler)
 healthy() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2>/dev/null; }
-for _ in $(seq 300); do
+# HEALTH_WAIT: seconds to wait for /health (a start-up capture, --dsv4-cuda-graph-precapture-len,
+# compiles first: flash8 at 1024 tokens had not finished in 280 s with cold caches, 2026-12-05)
+for _ in $(seq "${HEALTH_WAIT:-300}"); do
   healthy && break
   kill -0 $SERVER 2>/dev/null || { echo "server exited; log tail:"; tail -40 "$LOG"; exit 1; }
   sleep 1
 done
-healthy || { echo "no /health after 300 s"; tail -40 "$LOG"; exit 1; }
+healthy || { echo "no /health after ${HEALTH_WAIT:-300} s"; grep "start-up capture" "$LOG" | cut -c1-200; tail -40 "$LOG"; exit 1; }
 echo "--- server up"
 grep -E "Executed general plugin|sglang_dsv4|attention backend|Tree cache|[Cc]uda graph|Load weight end" "$LOG" | cut -c1-400
 

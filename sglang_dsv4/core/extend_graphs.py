@@ -24,6 +24,7 @@ data-parallel attention (a host exchange starts each step).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -256,6 +257,7 @@ class ExtendGraphs(CapturedSteps):
         of their entry-table widths. -> the shapes captured now."""
         new = []
         for widths in width_classes(cache, max_end):
+            t0, before = time.perf_counter(), len(new)
             for B in requests:
                 for T in reversed(self.buckets):
                     if T < B + 1 or B > self.max_requests:
@@ -265,6 +267,8 @@ class ExtendGraphs(CapturedSteps):
                     if captured:
                         self.captured.append(shape)
                         new.append(shape)
+            logger.info("sglang_dsv4: start-up capture: %d extend graphs at entry widths %s in %.1f s",
+                        len(new) - before, widths, time.perf_counter() - t0)
         return new
 
     def _capture(self, cache: V4CacheView, shape: ExtendShape) -> _Graph:

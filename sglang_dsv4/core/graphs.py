@@ -18,6 +18,7 @@ Capture runs a warm-up step on an all-scratch input first (so no request's state
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
@@ -124,11 +125,15 @@ class DecodeGraphs(CapturedSteps):
         new = []
         for widths in width_classes(cache, max_end):
             key = tuple(widths[r] for r in sorted(widths))
+            t0, before = time.perf_counter(), len(new)
             for b in reversed(self.buckets):
                 _, captured = self.graph_for(cache, (b, key), lambda: self._capture(cache, b, widths, cache.host_entries))
                 if captured:
                     self.captured.append((b, key))
                     new.append((b, key))
+            # one line per width class: a start-up that outlasts its caller's wait says how far it got
+            logger.info("sglang_dsv4: start-up capture: %d decode graphs at entry widths %s in %.1f s",
+                        len(new) - before, widths, time.perf_counter() - t0)
         return new
 
     def _arange(self, b: int, device: torch.device) -> Tensor:
