@@ -47,10 +47,12 @@ source scripts/inductor_cache.sh  # compile caches: restored when carried, saved
 trap save_compile_caches EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'grouped_mm', hasattr(torch, '_grouped_mm'))"
-SGLANG_DSV4_COMPILE=${TEST_COMPILE:-${SGLANG_DSV4_COMPILE:-1}} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider ${TESTS:-tests/core/test_step_gpu.py tests/core/test_deterministic_gpu.py tests/srt/test_state_gpu.py tests/kernels/test_flashmla_gpu.py tests/kernels/test_fp8_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+# MAXFAIL: failures before pytest stops (default 3: a call is too dear to lose every later test to
+# the first failure, as session 24's first call did with -x)
+SGLANG_DSV4_COMPILE=${TEST_COMPILE:-${SGLANG_DSV4_COMPILE:-1}} timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --maxfail=${MAXFAIL:-3} -m gpu -p no:cacheprovider ${TESTS:-tests/core/test_step_gpu.py tests/core/test_deterministic_gpu.py tests/srt/test_state_gpu.py tests/kernels/test_flashmla_gpu.py tests/kernels/test_fp8_gpu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 rc=${PIPESTATUS[0]}
 if [ -n "${TESTS_COMPILED:-}" ]; then  # tests of the fused regions themselves: compilation on
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider $TESTS_COMPILED 2>&1 \
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --maxfail=${MAXFAIL:-3} -m gpu -p no:cacheprovider $TESTS_COMPILED 2>&1 \
     | tee "$OUT/pytest_gpu_compiled.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
