@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -78,6 +78,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         # SGLANG_DSV4_SYNC_DEBUG=warn|error: torch's CUDA sync debug mode around each forward of
         # ours (the host syncs in our part of a step, where the overlap scheduler would lose them)
         self.sync_debug = os.environ.get("SGLANG_DSV4_SYNC_DEBUG") or None
+        # where each forward hands SGLang's overlap scheduler the event after its last read of
+        # req_to_token (``SglangV4Cache.end_forward``): set by the plugin from the model runner
+        # (patches/read-done-event.md); None: SGLang fences on the whole forward
+        self.publish_read_done: Callable[[torch.cuda.Event | None], None] | None = None
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -173,6 +177,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             real = int(getattr(fb, "_original_batch_size", fb.batch_size))
             if mode.is_idle() or real == 0:
                 self.core.serve_other_ranks()
+                self._read_done(None)
                 hidden = input_ids.new_zeros((input_ids.shape[0], self.v4.hidden_size), dtype=self.lm_head.weight.dtype)
                 return self.logits_processor(input_ids, hidden, self.lm_head, fb)
         # the scheduler's host copy of the rows (SGLang's for extends, plugin._decode_rows_on_the_host's
@@ -199,6 +204,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         # a decode batch stays one [B, 1] tensor (core.step.TokenIds)
         pieces = input_ids.view(-1, 1) if new_lens is None else list(torch.split(input_ids, new_lens))
         hidden = self._run(cache, rows, generations, states, pieces)
+        read_done = cache.end_forward()
+        # data-parallel attention: the other ranks' MoE passes below read no table of ours, but
+        # a rank's forward is one collective; the scheduler fences on all of it
+        self._read_done(None if dp else read_done)
         if dp:
             self.core.serve_other_ranks()
             if hidden.shape[0] < padded_tokens:
@@ -209,6 +218,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.metrics is not None:
             self.metrics.update()
         return self.logits_processor(input_ids, hidden, self.lm_head, fb)
+
+    def _read_done(self, event: torch.cuda.Event | None) -> None:
+        if self.publish_read_done is not None:
+            self.publish_read_done(event)  # every forward: never an earlier forward's event
 
     def _run(self, cache: SglangV4Cache, rows: list[int], generations: list[int], states, pieces):
         """Core forward; a request with a wanted snapshot inside its chunk is cut there, run in

@@ -9,6 +9,8 @@ extension points; ``patches/`` lists every one with the upstream function it cha
 from __future__ import annotations
 
 import logging
+import os
+from functools import partial
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +179,16 @@ def _after_token_slots_freed(result, allocator, free_index, *args, **kwargs):
     return result
 
 
+def read_done_enabled() -> bool:
+    """``SGLANG_DSV4_READ_DONE=1``: each forward hands SGLang's overlap scheduler the event after
+    its last read of ``req_to_token`` (patches/read-done-event.md). Opt-in until the GPU server
+    has run with it (on the CPU SGLang has no such fence: nothing to publish)."""
+    return os.environ.get("SGLANG_DSV4_READ_DONE", "0") == "1"
+
+
 def _after_memory_pools(result, runner, *args, **kwargs):
-    """SGLang's pools exist now: size our V4 cache from them (the model holds no reference)."""
+    """SGLang's pools exist now: size our V4 cache from them (the model holds no reference), and
+    with ``read_done_enabled`` let the model publish its forwards' read-done events on the runner."""
     attach = getattr(getattr(runner, "model", None), "attach_sglang_pools", None)
     if attach is not None:
         from .state import register_serving_cache
@@ -187,6 +197,8 @@ def _after_memory_pools(result, runner, *args, **kwargs):
         attach(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, enable_metrics)
         register_serving_cache(runner.model.cache)  # the one way our hooks reach it (state.py)
         runner.model.enable_decode_graphs(runner.server_args)
+        if read_done_enabled():
+            runner.model.publish_read_done = partial(setattr, runner, "shared_read_done_event")
     return result
 
 

@@ -17,6 +17,13 @@ graph), so a decode step reads no host table and rebuilds nothing from the conte
 are handed out on the host from lengths alone; the host learns which rows a freed slot owned at free time (``free_token_slots``, in the
 scheduler, between steps).
 
+Under SGLang's overlap scheduler the hooks run while the next forward is in flight. What they
+read from the device (slot values, freed slots' entry rows) is written by the time the forward's
+table work ends; the cache records an event there (``end_forward``), which the model can hand the
+scheduler as the forward's read-done event (patches/read-done-event.md) so those reads stop
+waiting for the whole forward. A snapshot a hook takes is copied at the next forward's start,
+on the model's stream, since the forward in flight may still be writing the row (``SlotSnapshot``).
+
 SGLang's hooks reach the cache of their process through ``serving_cache()``, which the plugin
 sets once the model has built it (``register_serving_cache``); nothing else is process-wide.
 """
@@ -80,14 +87,16 @@ def on_request_rows_freed(rows: list[int]) -> None:
 
 @dataclass
 class SlotSnapshot:
-    """Slot state at position ``num_tokens``; its entries are reachable through the prefix's slots."""
+    """Slot state at position ``num_tokens``; its entries are reachable through the prefix's slots.
+
+    A snapshot a scheduler hook takes (``SglangV4Cache.publish``) is copied on the model's stream
+    at the start of the next forward (``pending_row``: the request row to copy then; ``slot_state``
+    None until then): under SGLang's overlap scheduler the forward still running may be writing
+    that row, and a hook's copy on the scheduler's stream would race with it."""
 
     num_tokens: int
-    slot_state: dict[str, Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.slot_state.values())
+    slot_state: dict[str, Tensor] | None
+    pending_row: int | None = None
 
 
 @dataclass
@@ -181,6 +190,14 @@ class SglangV4Cache:
         self._changes, self._checked_at, self._metrics_at = 0, -1, (-1, -1)
         self._quiet: tuple[int, float] = (-1, 0.0)
         self._last_audit = float("-inf")
+        # snapshots published by the hooks, copied at the next forward's start (``SlotSnapshot``)
+        self._pending_copies: list[SlotSnapshot] = []
+        # SGLang's overlap scheduler fences its next writes of shared buffers (``req_to_token``)
+        # on the forward's reads of them: on the whole forward unless the model publishes the
+        # event after its last read (``end_forward``). Ours: recorded at the end of
+        # ``apply_tables``, external so that a CUDA graph holding the step records it on replay.
+        self._tables_read = torch.cuda.Event(external=True) if self.device.type == "cuda" else None
+        self._late_table_read = False  # this forward read req_to_token after its tables (a fork snapshot)
 
     def _to_host(self, t: Tensor) -> Tensor:
         """``t`` on the host. From a GPU that is a host sync, which under SGLang's overlap
@@ -217,6 +234,8 @@ class SglangV4Cache:
         A new request in the row (new generation) starts from a reset state or, if its cached
         prefix is non-empty, from the snapshot owned by the token slot at prefix_len - 1.
         """
+        if self._pending_copies:  # the forward's first device work: before any row changes
+            self._copy_pending_snapshots()
         hint = self._resume_keys.pop(row, None)
         bound = self.rows.get(row)
         if bound is not None and bound.generation == generation:
@@ -305,6 +324,8 @@ class SglangV4Cache:
         """Entry rows for the groups this step completes, from the host pools by count (lengths
         are on the host); the device part (``apply_tables``) files them."""
         self._changes += 1
+        if self._pending_copies:  # a step without a bind before it (a driver reusing its states)
+            self._copy_pending_snapshots()
         # array operations over the step's positions (each request's s..e-1), in numpy (a torch
         # op on the host costs several microseconds; this runs before every step, on the
         # server's critical path): the tokens that complete a group are the e // r - s // r of
@@ -338,7 +359,20 @@ class SglangV4Cache:
                                          self.req_entries[r], r, widths[r], not step.is_decode)
             if old is not None:  # a slot written again drops its old entry (``retire``)
                 replaced[r] = old
+        if self._tables_read is not None:
+            self._tables_read.record()  # the step's last read of req_to_token (``end_forward``)
         return StepTables(write, table, replaced)
+
+    def end_forward(self) -> "torch.cuda.Event | None":
+        """The model's forward is done with the cache (called once per forward): -> the event
+        after its last read of SGLang's ``req_to_token`` and last write of the entry tables, for
+        SGLang's ``model_runner.shared_read_done_event``; None where it has none (the CPU) or a
+        fork-point snapshot read ``req_to_token`` after the tables (then SGLang fences on the
+        whole forward). What the scheduler's hooks read between steps (slot values, the entry
+        rows of freed slots, the tables) is written by then, so under the overlap scheduler
+        their reads wait for the forward in flight only up to that point, not to its end."""
+        late, self._late_table_read = self._late_table_read, False
+        return None if late else self._tables_read
 
     def retire(self, replaced: dict[int, Tensor]) -> None:
         """The rows a step's slots held before it wrote them again: pending orphans, freed with
@@ -356,16 +390,33 @@ class SglangV4Cache:
         """Snapshot ``req`` at its current position, owned by its token slot at position - 1."""
         if req.num_tokens == 0:
             return
+        self._late_table_read = self._tables_read is not None
         self._snapshot_on(int(self._to_host(self.req_to_token[req.slot, req.num_tokens - 1])), req)
 
-    def _snapshot_on(self, key: int, req: RequestState) -> None:
-        """Snapshot ``req`` owned by token slot ``key`` (its slot at position - 1)."""
+    def _snapshot_on(self, key: int, req: RequestState, deferred: bool = False) -> None:
+        """Snapshot ``req`` owned by token slot ``key`` (its slot at position - 1); ``deferred``
+        (a scheduler hook's): copied at the next forward's start (``SlotSnapshot``)."""
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
             return
-        self.snapshots[key] = SlotSnapshot(req.num_tokens, self.layout.copy_out(self.slot_state, req.slot))
+        if deferred:
+            snap = SlotSnapshot(req.num_tokens, None, pending_row=req.slot)
+            self._pending_copies.append(snap)
+        else:
+            snap = SlotSnapshot(req.num_tokens, self.layout.copy_out(self.slot_state, req.slot))
+        self.snapshots[key] = snap
         self.stats["snapshots_taken"] += 1
         self._evict_snapshots()
+
+    def _copy_pending_snapshots(self) -> None:
+        """Copy the hooks' snapshots still held (their rows unchanged since: only a forward
+        changes a row, and this runs at the start of one, on its stream)."""
+        live = {id(s) for s in self.snapshots.values()}
+        for snap in self._pending_copies:
+            if id(snap) in live:
+                snap.slot_state = self.layout.copy_out(self.slot_state, snap.pending_row)
+            snap.pending_row = None
+        self._pending_copies = []
 
     def _evict_snapshots(self) -> None:
         """Least recently used first, down to the budget. Safe between scheduler steps: a request
@@ -398,7 +449,7 @@ class SglangV4Cache:
             return
         old, new = self._to_host(torch.stack((old_slots, new_slots)).long()).tolist()
         if req is not None and req.num_tokens:
-            self._snapshot_on(old[-1], req)
+            self._snapshot_on(old[-1], req, deferred=True)
         for o, n in zip(old, new):
             if o != n and o in self.snapshots and n not in self.snapshots:
                 self.snapshots[n] = self.snapshots.pop(o)
@@ -450,6 +501,7 @@ class SglangV4Cache:
             t.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)
         self.snapshots.clear()
+        self._pending_copies = []
         self._changes += 1  # the next idle check runs (and refreshes the gauges)
 
     def release_rows(self, rows: list[int]) -> None:
@@ -509,8 +561,10 @@ class SglangV4Cache:
                                  "of a completed group owned none: the radix cache matched past them)")
         used = self.usage()
         parts = sum(p.num_used * p.row_bytes for p in self.pools.values())
-        if used["compressed_bytes"] != int(parts) or used["snapshot_bytes"] != sum(
-                s.nbytes for s in self.snapshots.values()):
+        held = sum(self.snapshot_bytes_each if s.slot_state is None
+                   else sum(t.numel() * t.element_size() for t in s.slot_state.values())
+                   for s in self.snapshots.values())  # a pending copy: the bytes it will take
+        if used["compressed_bytes"] != int(parts) or used["snapshot_bytes"] != held:
             raise AssertionError(f"byte gauges {used} disagree with their parts")
 
     def idle_audit_due(self, immediate: bool = False, now: float | None = None) -> bool:

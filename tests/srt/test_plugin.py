@@ -39,3 +39,32 @@ def test_extends_and_other_models_keep_what_sglang_gave(serving, monkeypatch):
     assert plugin._decode_rows_on_the_host(fb, None, _batch([])).req_pool_indices_cpu is None  # an idle rank
     monkeypatch.setattr(state, "_SERVING", None)  # not our model
     assert plugin._decode_rows_on_the_host(fb, None, _batch([1])).req_pool_indices_cpu is None
+
+
+class _Model:
+    """What ``_after_memory_pools`` calls on our model class (the server builds the real one)."""
+
+    def __init__(self):
+        self.cache, self.publish_read_done = object(), None
+
+    def attach_sglang_pools(self, *args):
+        pass
+
+    def enable_decode_graphs(self, server_args):
+        pass
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_model_publishes_its_read_done_event_on_the_runner_only_when_asked(enabled, monkeypatch):
+    monkeypatch.setenv("SGLANG_DSV4_READ_DONE", "1" if enabled else "0")
+    monkeypatch.setattr(state, "_SERVING", None)
+    runner = SimpleNamespace(model=_Model(), req_to_token_pool=None, token_to_kv_pool_allocator=None,
+                             server_args=SimpleNamespace(enable_metrics=False), shared_read_done_event=None)
+    plugin._after_memory_pools(None, runner)
+    assert state.serving_cache() is runner.model.cache
+    if enabled:
+        event = object()
+        runner.model.publish_read_done(event)  # what each forward does with end_forward's event
+        assert runner.shared_read_done_event is event
+    else:
+        assert runner.model.publish_read_done is None

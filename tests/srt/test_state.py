@@ -262,3 +262,42 @@ def test_a_resume_missing_an_entry_fails_the_integrity_check(micro):
     cache.bind(1, 1, resume)
     with pytest.raises(AssertionError, match="2 compressed entries missing"):
         cache.check_integrity()
+
+
+def test_a_published_snapshot_is_copied_when_the_next_forward_starts(micro):
+    """A hook's snapshot (``publish``: SGLang's checkpoint at a chunk's end or a finish) is copied
+    at the next forward's start, on the model's stream, not in the hook (under the overlap
+    scheduler the forward in flight may still be writing the row). Pending, it counts its bytes;
+    copied before the next request on the row resets it, it holds the state at its position, and
+    a request resuming from it continues as from a snapshot copied at once (``take_snapshot``)."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    g = torch.Generator().manual_seed(13)
+    shared, tail, other = (torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (261, 7, 5))
+    outs = []
+    for published in (True, False):
+        cache, slots = _cache(cfg, "torch"), Slots()
+        own = slots.take(261)
+        cache.req_to_token[0, :261] = own
+        a = cache.bind(0, 1, 0)
+        model.forward(cache, [a], [shared])
+        if published:
+            cache.publish(a, own, own)  # the tree took the request's own slots
+            snap = cache.snapshots[int(own[-1])]
+            assert snap.slot_state is None and snap.pending_row == 0
+            cache.check_integrity()  # the bytes gauge counts the pending copy
+        else:
+            cache.take_snapshot(a)
+            snap = cache.snapshots[int(own[-1])]
+        cache.release_rows([0])
+        cache.req_to_token[0, :5] = slots.take(5)  # a new request takes row 0 and is reset there
+        c = cache.bind(0, 2, 0)
+        assert snap.slot_state is not None and snap.pending_row is None
+        model.forward(cache, [c], [other])
+        cache.req_to_token[1, :261] = own  # request B matched the published prefix
+        cache.req_to_token[1, 261:268] = slots.take(7)
+        b = cache.bind(1, 1, 261)
+        outs.append(model.forward(cache, [b], [tail])[0])
+        cache.check_integrity()
+        assert cache.end_forward() is None  # no event to publish on the CPU
+    assert torch.equal(outs[0], outs[1])

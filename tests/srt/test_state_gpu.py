@@ -47,7 +47,10 @@ def _forward(model, cache, row, gen, prefix_len, ids, chunks):
 
 
 @pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
-def test_serving_cache_with_flashmla_matches_oracle_and_resumes_exactly(tiny, matmul_dtype):
+def test_serving_cache_with_flashmla_matches_oracle_and_resumes_exactly(tiny, matmul_dtype, eager_regions):
+    """Resumed = cold and the serving cache = the core's, bit for bit, with the fused regions
+    eager: compiled, which variant runs a call depends on the calls before it (``eager_regions``;
+    the float32 case differed so on the H200, 2026-12-05)."""
     cfg, w = tiny
     model = V4Model(cfg, _gpu_weights(w, matmul_dtype))
     g = torch.Generator().manual_seed(11)
@@ -177,3 +180,42 @@ def test_a_resume_its_match_announced_binds_without_a_host_sync(tiny):
         outs.append(model.forward(cache, [b], [tail.cuda()])[0].float().cpu())
         cache.check_integrity()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_forward_publishes_the_event_after_its_tables(tiny):
+    """``end_forward`` (what the model hands SGLang's overlap scheduler as the forward's
+    read-done event): after an eager forward the event; after a decode graph replay the
+    replay's own record of it (a replay behind a busy stream: not done until the stream is);
+    None after a fork-point snapshot read ``req_to_token`` past the tables."""
+    cfg, w = tiny
+    model = V4Model(cfg, _gpu_weights(w, torch.bfloat16))
+    cache = _cache(cfg)
+    g = torch.Generator().manual_seed(14)
+    prompt = torch.randint(0, cfg.vocab_size, (300,), generator=g)
+    cache.req_to_token[0, :340] = torch.arange(1, 341)
+    st = cache.bind(0, 1, 0)
+
+    def behind_a_busy_stream(run) -> torch.cuda.Event:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(5e8))  # GPU time ahead of the step: its event cannot be done yet
+        run()
+        ev = cache.end_forward()
+        assert isinstance(ev, torch.cuda.Event) and not ev.query()
+        torch.cuda.synchronize()
+        assert ev.query()
+        return ev
+
+    model.forward(cache, [st], [prompt.cuda()])  # eager (an extend may sync before its tables)
+    assert isinstance(cache.end_forward(), torch.cuda.Event)
+    cache.take_snapshot(st)  # reads the token slot of its position from req_to_token
+    assert cache.end_forward() is None
+    model.enable_cuda_graphs(max_batch=4)
+    for i in range(3):  # the first captures the graph (and synchronises); the next ones replay it
+        tok = torch.randint(0, cfg.vocab_size, (1,), generator=g).cuda()
+        if i == 0:
+            model.forward(cache, [st], [tok])
+            assert cache.end_forward() is not None
+        else:
+            behind_a_busy_stream(lambda: model.forward(cache, [st], [tok]))
+    assert model.graphs.captured
+    cache.check_integrity()
