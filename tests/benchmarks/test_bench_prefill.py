@@ -44,3 +44,23 @@ def test_the_census_traces_a_run_and_names_the_model_functions_it_spent_time_in(
     inclusive = {row.split(" | ")[0].lstrip("| "): row for row in lines if row.startswith("| sglang_dsv4/")}
     assert any(name.endswith(": forward_step") for name in inclusive), lines
     assert any(row.startswith("| aten::") for row in lines)  # the flat self-time table holds torch ops
+
+
+def test_released_runs_keep_the_pools_as_they_were():
+    """Each timed run is released as SGLang ends a request (``PrefillCase.release``): repeated
+    cold runs and hits hand their entry rows back, so the pools neither fill nor grow (a growth
+    drops the graphs that read them, and a run would recapture: the profiled cold run's ~1000
+    launches on the H100, 2026-12-05)."""
+    length, new = 150, 7
+    cfg = make_config("micro", length + new + 8)
+    model = V4Model(cfg, bench_weights(cfg, "cpu", "bf16"))
+    gen = torch.Generator().manual_seed(0)
+    cache, base, _ = prompt_cache(model, length, new, 64, "cpu", gen)
+    held = {r: (p.capacity, p.num_used) for r, p in cache.pools.items()}
+    for kind in ("cold", "hit"):
+        case = PrefillCase(model, cache, kind, length, new, 64, base, gen)
+        for _ in range(6):
+            case.step()
+            case.release()
+            assert {r: (p.capacity, p.num_used) for r, p in cache.pools.items()} == held
+    cache.check_integrity()
