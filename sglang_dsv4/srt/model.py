@@ -277,9 +277,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         if int(max_bs) <= 0:
             logger.info("sglang_dsv4: CUDA graphs of the decode step are off")
             return
-        # short extends too (up to 8 requests, < 1024 tokens), opted in (SGLANG_DSV4_EXTEND_GRAPHS=1)
-        # until the GPU server has run with them (in-process their replay is the eager step's bits)
-        extend = os.environ.get("SGLANG_DSV4_EXTEND_GRAPHS", "0") == "1"
+        # short extends too (up to 8 requests, < 1024 tokens; core/extend_graphs.py): the flash8
+        # server's 512-token TTFT 30 ms with them (221.7 ms eager, session 19); SGLANG_DSV4_EXTEND_GRAPHS=0
+        # keeps extends eager
+        extend = os.environ.get("SGLANG_DSV4_EXTEND_GRAPHS", "1") == "1"
         self.core.enable_cuda_graphs(int(max_bs), extend=extend)
         logger.info("sglang_dsv4: CUDA graphs of the decode step on, batch buckets %s (%s)",
                     list(self.core.graphs.buckets),

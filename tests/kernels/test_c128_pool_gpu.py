@@ -1,8 +1,8 @@
 """``kernels.c128_pool`` on the GPU: the one-launch pooling against the loop it replaces (its
 eager ops and its compiled region), a segment continued across calls to the same bits, graph
-replay, and a tiny model's prefill + decode with the kernel opted in against the loop. Run the
-GPU suite again with ``SGLANG_DSV4_C128_POOL=kernel`` for the step's own properties with it
-(graph replay = eager, batched = per-request, the deterministic mode's resumed = cold)."""
+replay, and a tiny model's prefill + decode with the kernel against the loop. The rest of the GPU
+suite runs the step with the kernel (the default); ``SGLANG_DSV4_C128_POOL=loop`` runs it with the
+loop (graph replay = eager, batched = per-request, the deterministic mode's resumed = cold)."""
 
 from __future__ import annotations
 
