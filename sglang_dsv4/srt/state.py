@@ -14,8 +14,11 @@ Only the radix tree decides what stays cached; we follow its token-slot lifetime
 The slot -> entry-row side table and each request row's list of entry rows live on the model's
 device and are appended by the step itself (``apply_tables``, inside the decode step's CUDA
 graph), so a decode step reads no host table and rebuilds nothing from the context. Entry rows
-are handed out on the host from lengths alone; the host learns which rows a freed slot owned at free time (``free_token_slots``, in the
-scheduler, between steps).
+are handed out on the host from lengths alone. A free (``free_token_slots``, in the scheduler)
+clears the freed slots' table entries on the device and starts a copy of the rows they owned to
+the host without waiting for it (``_PendingFree``); the rows go back to the host pools once the
+copy is done (``collect_frees``: before each step's allocation, and after any read that syncs
+anyway), so a free costs the scheduler no host sync.
 
 Under SGLang's overlap scheduler the hooks run while the next forward is in flight. What they
 read from the device (slot values, freed slots' entry rows) is written by the time the forward's
@@ -100,6 +103,24 @@ class SlotSnapshot:
 
 
 @dataclass
+class _PendingFree:
+    """A free on its way to the host: the entry rows its slots owned (per ratio, -1 for none) and,
+    while snapshots may sit on them, the freed slots, in one buffer copied without a sync.
+    Until collected the rows count as in use and snapshots on the slots as held; nothing can key
+    a new snapshot on a freed slot before its free is collected (every keying reads a slot value
+    first, and collects after that read, when the copy is done)."""
+
+    counts: list[tuple[int, int]]  # (ratio, n) segments of ``host``, in order; then the slots
+    num_slots: int                 # freed slots at ``host``'s end (0: no snapshots to drop)
+    host: Tensor                   # int64 on the host (pinned, filled by the copy on a GPU)
+    device: Tensor | None          # the copy's source, held until it is done
+    done: "torch.cuda.Event | None"  # recorded after the copy; None: a host copy, done at once
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+@dataclass
 class _Row:
     state: RequestState
     generation: int
@@ -161,8 +182,10 @@ class SglangV4Cache:
                               for r in RATIOS}
         self.req_entries = {r: torch.full((num_req_rows + 1, max(max_seq_len // r, 1)), -1, dtype=torch.int32,
                                           device=self.device) for r in RATIOS}
-        # (ratio, entry rows) of slots written twice: freed at the next free (which syncs anyway)
+        # (ratio, entry rows) of slots written twice: freed with the next free
         self._orphans: list[tuple[int, Tensor]] = []
+        # frees whose rows (and slots) are on their way to the host, oldest first (``_PendingFree``)
+        self._pending_frees: list[_PendingFree] = []
         # entries resumes found missing (``refresh_entries``), counted on the device: 0 or a bug
         self._missing_entries = torch.zeros((), dtype=torch.long, device=self.device)
         # LRU order: least recently taken/matched/restored first
@@ -183,7 +206,9 @@ class SglangV4Cache:
                       "resume_keys_read_back": 0,  # resumes whose snapshot key did (no expect_resume)
                       # the cache's reads of device values outside the idle audit (``_to_host``):
                       # on a GPU each a host sync, and the ms the host waited in them
-                      "host_reads": 0, "host_read_ms": 0.0}
+                      "host_reads": 0, "host_read_ms": 0.0,
+                      # collects of frees that had to wait for their copy (a pool ran short)
+                      "free_waits": 0}
         self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
         # changes to the state so far (forward steps, frees, flushes); at the last integrity check,
         # at the last metrics refresh; the change count an idle server last showed, and since when
@@ -253,6 +278,7 @@ class SglangV4Cache:
                 key = hint[2]  # the radix match's: no read of the device table
             else:
                 key = int(self._to_host(self.req_to_token[row, prefix_len - 1]))
+                self.collect_frees(wait=True)  # no snapshot of a freed slot is taken for this one
                 self.stats["resume_keys_read_back"] += 1
             snap = self.snapshots.get(key)
             if snap is None or snap.num_tokens != prefix_len:
@@ -331,10 +357,13 @@ class SglangV4Cache:
         # server's critical path): the tokens that complete a group are the e // r - s // r of
         # each request, and the last end is the largest position + 1
         pos = positions.numpy()
+        self.collect_frees()  # the frees whose copies are done: no wait
         write = {}
         for r, pool in self.pools.items():
             done = completing_tokens(pos, r)
             n = int(np.count_nonzero(done))
+            if n > pool.num_free and self._pending_frees:
+                self.collect_frees(wait=True)  # rows on their way back before the pool grows
             w = np.full(pos.shape[0], pool.scratch_row, dtype=np.int64)
             if n:
                 w[done] = pool.alloc(n).numpy()
@@ -391,7 +420,9 @@ class SglangV4Cache:
         if req.num_tokens == 0:
             return
         self._late_table_read = self._tables_read is not None
-        self._snapshot_on(int(self._to_host(self.req_to_token[req.slot, req.num_tokens - 1])), req)
+        key = int(self._to_host(self.req_to_token[req.slot, req.num_tokens - 1]))
+        self.collect_frees(wait=True)  # the read synced: done copies; a freed slot's old snapshot goes first
+        self._snapshot_on(key, req)
 
     def _snapshot_on(self, key: int, req: RequestState, deferred: bool = False) -> None:
         """Snapshot ``req`` owned by token slot ``key`` (its slot at position - 1); ``deferred``
@@ -431,8 +462,9 @@ class SglangV4Cache:
         on, so the request's bind needs none)."""
         if not self.snapshots or path_slots.numel() == 0:
             return 0, -1
-        keys = torch.tensor(list(self.snapshots), dtype=torch.long)
         host = self._to_host(path_slots.long())
+        self.collect_frees(wait=True)  # the read synced its stream: these copies are done
+        keys = torch.tensor(list(self.snapshots), dtype=torch.long)
         for i in reversed(torch.nonzero(torch.isin(host, keys)).flatten().tolist()):
             key = int(host[i])
             if self.snapshots[key].num_tokens == i + 1:
@@ -448,6 +480,7 @@ class SglangV4Cache:
         if req is None and not self.snapshots:
             return
         old, new = self._to_host(torch.stack((old_slots, new_slots)).long()).tolist()
+        self.collect_frees(wait=True)  # the read synced: done copies; freed slots' snapshots go first
         if req is not None and req.num_tokens:
             self._snapshot_on(old[-1], req, deferred=True)
         for o, n in zip(old, new):
@@ -466,8 +499,10 @@ class SglangV4Cache:
                 self.free_token_slots(slots)
 
     def free_token_slots(self, slots: Tensor) -> None:
-        """SGLang freed these token slots: free the entry rows they own and drop their snapshots
-        (one host sync, to learn the rows: this runs in the scheduler, between steps)."""
+        """SGLang freed these token slots: their entry rows and snapshots go with them. The
+        slots' table entries are cleared on the device at once; the rows they owned (and the
+        slots, where snapshots may sit on them) are copied to the host without a sync and
+        returned to the pools by ``collect_frees``."""
         if slots.numel() == 0:
             return
         if self._deferred is not None:
@@ -475,27 +510,82 @@ class SglangV4Cache:
             return
         self._changes += 1
         dev_slots = slots.to(self.device).long()
-        freed = [(r, self.entry_of_slot[r][dev_slots]) for r in RATIOS]
+        freed = [(r, self.entry_of_slot[r][dev_slots]) for r in RATIOS] + self._orphans
+        self._orphans = []
         for r in RATIOS:
             self.entry_of_slot[r][dev_slots] = -1
-        dropped = self._free_rows(freed, also=dev_slots if self.snapshots else None)
-        for s in dropped.tolist() if dropped is not None else ():
-            if self.snapshots.pop(s, None) is not None:
-                self.stats["snapshots_dropped"] += 1
+        self._pending_frees.append(self._start_copy(freed, dev_slots if self.snapshots else None))
 
-    def _free_rows(self, freed: list[tuple[int, Tensor]], also: Tensor | None = None) -> Tensor | None:
-        """Return (ratio, device rows) and the pending orphans to the host pools, and bring
-        ``also`` (the freed slots, when snapshots may sit on them) to the host: one copy."""
+    def _start_copy(self, freed: list[tuple[int, Tensor]], slots: Tensor | None) -> _PendingFree:
+        parts = [rows.long() for _, rows in freed] + ([slots] if slots is not None else [])
+        dev = torch.cat(parts)
+        counts = [(r, rows.numel()) for r, rows in freed]
+        n_slots = slots.numel() if slots is not None else 0
+        if dev.device.type != "cuda":
+            return _PendingFree(counts, n_slots, dev, None, None)
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        host.copy_(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _PendingFree(counts, n_slots, host, dev, done)
+
+    def collect_frees(self, wait: bool = False) -> None:
+        """Return the rows of the frees whose copies are done to the host pools and drop the
+        snapshots on their slots, oldest first; with ``wait``, every pending free (waiting for
+        the copies still running: a host sync, counted as ``free_waits`` when it happens)."""
+        while self._pending_frees:
+            pending = self._pending_frees[0]
+            if not pending.ready():
+                if not wait:
+                    return
+                t0 = time.perf_counter()
+                if pending.done is not None:
+                    pending.done.synchronize()
+                self.stats["free_waits"] += 1
+                self.stats["host_read_ms"] += (time.perf_counter() - t0) * 1e3
+            self._pending_frees.pop(0)
+            off = 0
+            for r, n in pending.counts:
+                rows = pending.host[off:off + n]
+                self.pools[r].free(rows[rows >= 0])
+                off += n
+            for s in pending.host[off:].tolist():
+                if self.snapshots.pop(s, None) is not None:
+                    self.stats["snapshots_dropped"] += 1
+
+    def _pending_rows(self, ratio: int) -> Tensor:
+        """The ratio-``ratio`` rows of uncollected frees (waiting for their copies), host int64."""
+        out = []
+        for pending in self._pending_frees:
+            if pending.done is not None:
+                pending.done.synchronize()
+            off = 0
+            for r, n in pending.counts:
+                if r == ratio:
+                    out.append(pending.host[off:off + n])
+                off += n
+        rows = torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+        return rows[rows >= 0]
+
+    def _pending_slots(self) -> Tensor:
+        """The freed slots of uncollected frees that carry them (host int64)."""
+        for pending in self._pending_frees:
+            if pending.done is not None:
+                pending.done.synchronize()
+        parts = [p.host[p.host.numel() - p.num_slots:] for p in self._pending_frees if p.num_slots]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def _free_rows(self, freed: list[tuple[int, Tensor]]) -> None:
+        """Return (ratio, device rows) and the pending orphans to the host pools: one copy."""
         freed = freed + self._orphans
         self._orphans = []
-        rows, extra = self._host_rows(freed, also)
-        for r, host in rows.items():
+        for r, host in self._host_rows(freed)[0].items():
             self.pools[r].free(host)
-        return extra
 
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
         """All token slots were released together (cache flush): drop every entry and snapshot."""
+        self.collect_frees(wait=True)
         self._free_rows([(r, t[:-1].clone()) for r, t in self.entry_of_slot.items()])  # not the scratch
         for t in self.entry_of_slot.values():
             t.fill_(-1)
@@ -516,8 +606,8 @@ class SglangV4Cache:
         """Raise AssertionError unless the side tables and pools agree (callable at any time,
         without a flush; host syncs: not for the step).
 
-        Always: every entry row in use is owned by exactly one token slot or is a pending orphan,
-        and every owned row is in use; each bound request row's entries are rows in use; no
+        Always: every entry row in use is owned by exactly one token slot or is a pending orphan
+        or on its way back (an uncollected free), and every owned row is in use; each bound request row's entries are rows in use; no
         resume so far found an entry missing (``refresh_entries``). With
         ``live_slots`` (the token slots SGLang holds: tree + running requests): every slot owning
         an entry or a snapshot is live. With ``live_rows`` (SGLang's request rows in use): rings
@@ -529,7 +619,7 @@ class SglangV4Cache:
             rows = table[owners].long().cpu()
             owners = owners.cpu()
             orphans = torch.cat([o.long().cpu() for rr, o in self._orphans if rr == r] or [torch.empty(0, dtype=torch.long)])
-            rows_all = torch.cat((rows, orphans[orphans >= 0]))
+            rows_all = torch.cat((rows, orphans[orphans >= 0], self._pending_rows(r)))
             if rows_all.unique().numel() != rows_all.numel():
                 raise AssertionError(f"ratio {r}: an entry row is owned by two token slots")
             in_use = pool.rows_in_use()
@@ -550,6 +640,7 @@ class SglangV4Cache:
                                          f"e.g. slot {int(dead[0])}")
         if live_slots is not None and self.snapshots:
             keys = torch.tensor(list(self.snapshots), dtype=torch.long)
+            keys = keys[~torch.isin(keys, self._pending_slots())]  # dropped when their free is collected
             dead = keys[~torch.isin(keys, live_slots.long().cpu())]
             if dead.numel():
                 raise AssertionError(f"{dead.numel()} snapshots on freed token slots, e.g. slot {int(dead[0])}")
@@ -601,6 +692,7 @@ class SglangV4Cache:
         nothing changed since the last check (SGLang checks every idle iteration)."""
         if self._changes == self._checked_at:
             return True
+        self.collect_frees(wait=True)  # the audit syncs anyway: the gauges then show the frees
         self._checked_at = self._changes
         self._last_audit = time.monotonic()
         self.stats["integrity_checks"] += 1
@@ -621,7 +713,9 @@ class SglangV4Cache:
         return ok
 
     def usage(self) -> dict[str, int]:
-        """Entries, rings and snapshots held right now (for metrics and leak checks)."""
+        """Entries, rings and snapshots held right now (for metrics and leak checks), after the
+        frees whose copies are done (``collect_frees``, no wait)."""
+        self.collect_frees()
         entries = {r: p.num_used for r, p in self.pools.items()}
         return {"c4_entries": entries[4], "c128_entries": entries[128],
                 "compressed_bytes": int(sum(p.num_used * p.row_bytes for p in self.pools.values())),

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.oracle import OracleModel
 from sglang_dsv4.core.step import entry_width
-from sglang_dsv4.srt.state import MAX_PENDING_ORPHANS, RATIOS, SglangV4Cache
+from sglang_dsv4.srt.state import MAX_PENDING_ORPHANS, RATIOS, SglangV4Cache, _PendingFree
 
 ROWS, SLOTS, MAX_LEN = 4, 4096, 1024
 
@@ -301,3 +301,74 @@ def test_a_published_snapshot_is_copied_when_the_next_forward_starts(micro):
         cache.check_integrity()
         assert cache.end_forward() is None  # no event to publish on the CPU
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.fixture
+def copies_in_flight(monkeypatch):
+    """Every free's copy to the host reads as still running (as on a GPU under the overlap
+    scheduler, its stream behind the forward in flight) until something waits for it."""
+    monkeypatch.setattr(_PendingFree, "ready", lambda self: False)
+
+
+def test_a_free_reads_nothing_back_and_its_rows_return_at_the_next_step(micro, copies_in_flight):
+    """``free_token_slots`` clears the slots' entries on the device and reads nothing back: the
+    rows it freed stay in use (on their way back, accounted by the integrity check) until a
+    collect, and the next step's allocation takes them back before the pool would grow."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    cache = _cache(cfg, "torch")
+    _shared_prefix(cfg, model, cache)
+    cache.release_rows([0])
+    used = {r: p.num_used for r, p in cache.pools.items()}
+    capacity = {r: p.capacity for r, p in cache.pools.items()}
+    reads = []
+    real = cache._to_host
+    cache._to_host = lambda t: reads.append(t.numel()) or real(t)
+    freed = cache.req_to_token[0, :261].clone()
+    cache.free_token_slots(freed)
+    assert reads == [] and len(cache._pending_frees) == 1
+    assert {r: p.num_used for r, p in cache.pools.items()} == used  # not back yet
+    assert int(cache.entry_of_slot[4][freed.long()].max()) == -1  # the device tables know at once
+    cache.check_integrity(live_slots=torch.empty(0, dtype=torch.long))  # rows pending, snapshot going
+    assert cache.usage()["c4_entries"] == used[4]
+    # a pool short of rows waits for the copy instead of growing
+    for r, pool in cache.pools.items():
+        pool.alloc(pool.num_free)
+    cache.req_to_token[2, :8] = Slots().take(8) + 3000  # slots no request used
+    c = cache.bind(2, 1, 0)
+    model.forward(cache, [c], [torch.arange(8)])
+    assert cache.stats["free_waits"] == 1 and not cache._pending_frees
+    assert {r: p.capacity for r, p in cache.pools.items()} == capacity
+    assert cache.stats["snapshots_dropped"] == 1 and not cache.snapshots
+
+
+def test_a_reused_slot_never_resumes_from_the_snapshot_of_its_freed_owner(micro, copies_in_flight):
+    """A snapshot sits on the slot of its position - 1 and goes with the slot's free, collected
+    later. Until then the slot may be handed out again: a match of a path through it at the same
+    position finds no snapshot, and a snapshot its new owner takes there survives the collect."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    g = torch.Generator().manual_seed(4)
+    for case in ("match", "snapshot"):
+        cache = _cache(cfg, "torch")
+        _shared_prefix(cfg, model, cache)
+        key = int(cache.req_to_token[0, 260])
+        assert cache.snapshots[key].num_tokens == 261
+        cache.release_rows([0, 1])
+        cache.free_token_slots(cache.req_to_token[0, :261].clone())  # copy in flight
+        assert key in cache.snapshots
+        if case == "match":  # SGLang hands the slots to another prompt of the same length
+            cache.req_to_token[2, :261] = cache.req_to_token[0, :261]
+            assert cache.deepest_snapshot(cache.req_to_token[2, :261]) == (0, -1)
+            assert key not in cache.snapshots and not cache._pending_frees
+        else:  # ... to a longer prompt, whose snapshot lands on the old one's slot
+            cache.req_to_token[2, :39] = Slots().take(39) + 3000
+            cache.req_to_token[2, 39:300] = cache.req_to_token[0, :261]
+            c = cache.bind(2, 1, 0)
+            model.forward(cache, [c], [torch.randint(0, cfg.vocab_size, (300,), generator=g)])
+            assert cache._pending_frees  # the step had rows enough: nothing waited
+            cache.take_snapshot(c)
+            cache.collect_frees(wait=True)
+            assert cache.snapshots[key].num_tokens == 300 and cache.stats["snapshots_dropped"] == 1
+            assert cache.deepest_snapshot(cache.req_to_token[2, :300]) == (300, key)
+        cache.check_integrity()

@@ -219,3 +219,36 @@ def test_a_forward_publishes_the_event_after_its_tables(tiny):
             behind_a_busy_stream(lambda: model.forward(cache, [st], [tok]))
     assert model.graphs.captured
     cache.check_integrity()
+
+
+def test_a_free_behind_a_busy_stream_makes_no_host_sync(tiny):
+    """``free_token_slots`` under the overlap scheduler runs while a forward is in flight: it
+    clears the tables and starts the rows' copy with no host sync (torch's sync debug mode raises
+    nothing) and returns at once; the rows come back with the first collect after the copy."""
+    cfg, w = tiny
+    model = V4Model(cfg, _gpu_weights(w, torch.bfloat16))
+    cache = _cache(cfg)
+    prompt = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(15))
+    cache.req_to_token[0, :300] = torch.arange(1, 301)
+    a, _ = _forward(model, cache, 0, 1, 0, prompt, [300])
+    cache.take_snapshot(a)
+    cache.release_rows([0])
+    used = {r: p.num_used for r, p in cache.pools.items()}
+    slots = cache.req_to_token[0, :300].clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))  # the forward in flight
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t0 = time.perf_counter()
+        cache.free_token_slots(slots)
+        cache.collect_frees()  # not done yet: nothing comes back, nothing waits
+        took = time.perf_counter() - t0
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cache._pending_frees and {r: p.num_used for r, p in cache.pools.items()} == used
+    torch.cuda.synchronize()
+    cache.collect_frees()
+    assert not cache._pending_frees and all(p.num_used == 0 for p in cache.pools.values())
+    assert not cache.snapshots and cache.stats["free_waits"] == 0
+    report("free_behind_busy_stream", host_ms=round(took * 1e3, 3))
+    cache.check_integrity()
