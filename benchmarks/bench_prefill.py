@@ -85,7 +85,7 @@ class PrefillCase:
         extend graphs counted ~1000 launches and 2.5 syncs on the H100, 2026-12-05)."""
         self.cache.free_token_slots(self.own)
         self.cache.release_rows([self.row])
-        self.cache.collect_frees(wait=True)  # the rows back now, not inside the next timed run
+        self.cache.collect_pending(wait=True)  # the rows back now, not inside the next timed run
 
 
 def sync(device: str) -> None:

@@ -67,12 +67,12 @@ def cache_counters(port: int) -> dict | None:
 def host_waits(before: dict | None, after: dict | None) -> str:
     """'reads / ms' per forward step between two ``cache_counters``: the cache's reads of device
     values (each a host sync on a GPU, which under the overlap scheduler waits for the step in
-    flight) and its waits for freed rows' copies (``free_waits``: a pool ran short), and the time
-    the host spent in them."""
+    flight) and its waits for the copies of frees and publishes (``copy_waits``: a pool ran
+    short), and the time the host spent in them."""
     if not before or not after or "host_reads" not in after:
         return "-"
     steps = max(after["forward_steps"] - before["forward_steps"], 1)
-    reads = sum(after.get(k, 0) - before.get(k, 0) for k in ("host_reads", "free_waits"))
+    reads = sum(after.get(k, 0) - before.get(k, 0) for k in ("host_reads", "copy_waits"))
     return (f"{reads / steps:.2f} / "
             f"{(after['host_read_ms'] - before['host_read_ms']) / steps:.3f}")
 

@@ -16,9 +16,11 @@ device and are appended by the step itself (``apply_tables``, inside the decode 
 graph), so a decode step reads no host table and rebuilds nothing from the context. Entry rows
 are handed out on the host from lengths alone. A free (``free_token_slots``, in the scheduler)
 clears the freed slots' table entries on the device and starts a copy of the rows they owned to
-the host without waiting for it (``_PendingFree``); the rows go back to the host pools once the
-copy is done (``collect_frees``: before each step's allocation, and after any read that syncs
-anyway), so a free costs the scheduler no host sync.
+the host without waiting for it (``_PendingFree``); a publish (the radix tree took a request's
+tokens) copies the slot values it keys snapshots by the same way (``_PendingPublish``). Both
+take effect, in order, once their copies are done (``collect_pending``: before each step's
+allocation, and after any read that syncs anyway, such as a radix match's), so neither costs the
+scheduler a host sync.
 
 Under SGLang's overlap scheduler the hooks run while the next forward is in flight. What they
 read from the device (slot values, freed slots' entry rows) is written by the time the forward's
@@ -37,7 +39,7 @@ import logging
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -103,21 +105,40 @@ class SlotSnapshot:
 
 
 @dataclass
-class _PendingFree:
-    """A free on its way to the host: the entry rows its slots owned (per ratio, -1 for none) and,
-    while snapshots may sit on them, the freed slots, in one buffer copied without a sync.
-    Until collected the rows count as in use and snapshots on the slots as held; nothing can key
-    a new snapshot on a freed slot before its free is collected (every keying reads a slot value
-    first, and collects after that read, when the copy is done)."""
+class _InFlight:
+    """Device values on their way to the host in one buffer, copied without a sync; what they
+    change takes effect when the cache collects them (``SglangV4Cache.collect_pending``)."""
 
-    counts: list[tuple[int, int]]  # (ratio, n) segments of ``host``, in order; then the slots
-    num_slots: int                 # freed slots at ``host``'s end (0: no snapshots to drop)
-    host: Tensor                   # int64 on the host (pinned, filled by the copy on a GPU)
-    device: Tensor | None          # the copy's source, held until it is done
+    host: Tensor                     # int64 on the host (pinned, filled by the copy on a GPU)
+    device: Tensor | None            # the copy's source, held until it is done
     done: "torch.cuda.Event | None"  # recorded after the copy; None: a host copy, done at once
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+@dataclass
+class _PendingFree(_InFlight):
+    """A free: the entry rows its slots owned (per ratio, -1 for none) and, while snapshots may
+    sit on them, the freed slots. Until collected the rows count as in use and snapshots on the
+    slots as held; nothing keys a new snapshot on a freed slot before its free is collected
+    (every keying reads a slot value first, or is a publish, collected in order)."""
+
+    counts: list[tuple[int, int]] = field(default_factory=list)  # (ratio, n) segments of ``host``; then the slots
+    num_slots: int = 0  # freed slots at ``host``'s end (0: no snapshots to drop)
+
+
+@dataclass
+class _PendingPublish(_InFlight):
+    """A publish: ``host`` is [2, n], the request's own slots of its first n positions and the
+    tree's. Collected, ``snap`` (the request's snapshot at n, if any) is keyed on its own slot of
+    position n - 1, and snapshots on its own slots the tree replaced move to the tree's."""
+
+    snap: SlotSnapshot | None = None
 
 
 @dataclass
@@ -184,8 +205,8 @@ class SglangV4Cache:
                                           device=self.device) for r in RATIOS}
         # (ratio, entry rows) of slots written twice: freed with the next free
         self._orphans: list[tuple[int, Tensor]] = []
-        # frees whose rows (and slots) are on their way to the host, oldest first (``_PendingFree``)
-        self._pending_frees: list[_PendingFree] = []
+        # frees and publishes whose slot values are on their way to the host, oldest first
+        self._pending: list[_InFlight] = []
         # entries resumes found missing (``refresh_entries``), counted on the device: 0 or a bug
         self._missing_entries = torch.zeros((), dtype=torch.long, device=self.device)
         # LRU order: least recently taken/matched/restored first
@@ -207,8 +228,8 @@ class SglangV4Cache:
                       # the cache's reads of device values outside the idle audit (``_to_host``):
                       # on a GPU each a host sync, and the ms the host waited in them
                       "host_reads": 0, "host_read_ms": 0.0,
-                      # collects of frees that had to wait for their copy (a pool ran short)
-                      "free_waits": 0}
+                      # collects that had to wait for a free's or publish's copy (a pool ran short)
+                      "copy_waits": 0}
         self.metrics = None  # a metrics.V4CacheMetrics refreshed by run_integrity_check, if any
         # changes to the state so far (forward steps, frees, flushes); at the last integrity check,
         # at the last metrics refresh; the change count an idle server last showed, and since when
@@ -278,7 +299,7 @@ class SglangV4Cache:
                 key = hint[2]  # the radix match's: no read of the device table
             else:
                 key = int(self._to_host(self.req_to_token[row, prefix_len - 1]))
-                self.collect_frees(wait=True)  # no snapshot of a freed slot is taken for this one
+                self.collect_pending(wait=True)  # snapshots as of now: none of a freed slot's old owner
                 self.stats["resume_keys_read_back"] += 1
             snap = self.snapshots.get(key)
             if snap is None or snap.num_tokens != prefix_len:
@@ -357,13 +378,13 @@ class SglangV4Cache:
         # server's critical path): the tokens that complete a group are the e // r - s // r of
         # each request, and the last end is the largest position + 1
         pos = positions.numpy()
-        self.collect_frees()  # the frees whose copies are done: no wait
+        self.collect_pending()  # the frees and publishes whose copies are done: no wait
         write = {}
         for r, pool in self.pools.items():
             done = completing_tokens(pos, r)
             n = int(np.count_nonzero(done))
-            if n > pool.num_free and self._pending_frees:
-                self.collect_frees(wait=True)  # rows on their way back before the pool grows
+            if n > pool.num_free and self._pending:
+                self.collect_pending(wait=True)  # rows on their way back before the pool grows
             w = np.full(pos.shape[0], pool.scratch_row, dtype=np.int64)
             if n:
                 w[done] = pool.alloc(n).numpy()
@@ -421,20 +442,21 @@ class SglangV4Cache:
             return
         self._late_table_read = self._tables_read is not None
         key = int(self._to_host(self.req_to_token[req.slot, req.num_tokens - 1]))
-        self.collect_frees(wait=True)  # the read synced: done copies; a freed slot's old snapshot goes first
+        self.collect_pending(wait=True)  # the read synced: done copies; a freed slot's old snapshot goes first
         self._snapshot_on(key, req)
 
-    def _snapshot_on(self, key: int, req: RequestState, deferred: bool = False) -> None:
-        """Snapshot ``req`` owned by token slot ``key`` (its slot at position - 1); ``deferred``
-        (a scheduler hook's): copied at the next forward's start (``SlotSnapshot``)."""
+    def _snapshot_on(self, key: int, req: RequestState) -> None:
+        """Snapshot ``req`` now, owned by token slot ``key`` (its slot at position - 1)."""
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
             return
-        if deferred:
-            snap = SlotSnapshot(req.num_tokens, None, pending_row=req.slot)
-            self._pending_copies.append(snap)
-        else:
-            snap = SlotSnapshot(req.num_tokens, self.layout.copy_out(self.slot_state, req.slot))
+        self._key_snapshot(key, SlotSnapshot(req.num_tokens, self.layout.copy_out(self.slot_state, req.slot)))
+
+    def _key_snapshot(self, key: int, snap: SlotSnapshot) -> None:
+        """``snap`` owned by token slot ``key``, unless the slot owns one already."""
+        if key in self.snapshots:
+            self.snapshots.move_to_end(key)
+            return
         self.snapshots[key] = snap
         self.stats["snapshots_taken"] += 1
         self._evict_snapshots()
@@ -443,6 +465,7 @@ class SglangV4Cache:
         """Copy the hooks' snapshots still held (their rows unchanged since: only a forward
         changes a row, and this runs at the start of one, on its stream)."""
         live = {id(s) for s in self.snapshots.values()}
+        live |= {id(p.snap) for p in self._pending if isinstance(p, _PendingPublish)}  # keyed when collected
         for snap in self._pending_copies:
             if id(snap) in live:
                 snap.slot_state = self.layout.copy_out(self.slot_state, snap.pending_row)
@@ -459,11 +482,14 @@ class SglangV4Cache:
     def deepest_snapshot(self, path_slots: Tensor) -> tuple[int, int]:
         """(P, key): the largest P such that path_slots[P-1] owns a snapshot at position P, and
         that slot; (0, -1) if none. One host copy of the path (``expect_resume`` passes the key
-        on, so the request's bind needs none)."""
-        if not self.snapshots or path_slots.numel() == 0:
+        on, so the request's bind needs none); the publishes and frees before it take effect
+        first (their copies are done once the read has synced)."""
+        if not (self.snapshots or self._pending) or path_slots.numel() == 0:
             return 0, -1
         host = self._to_host(path_slots.long())
-        self.collect_frees(wait=True)  # the read synced its stream: these copies are done
+        self.collect_pending(wait=True)
+        if not self.snapshots:
+            return 0, -1
         keys = torch.tensor(list(self.snapshots), dtype=torch.long)
         for i in reversed(torch.nonzero(torch.isin(host, keys)).flatten().tolist()):
             key = int(host[i])
@@ -476,16 +502,29 @@ class SglangV4Cache:
         """The radix tree published a request's first ``len(old_slots)`` positions, keeping its
         own slots (``new_slots``) where it held them already: a snapshot of ``req`` (if given:
         the request at that position) on its slot there, then the snapshots the request made on
-        the slots the tree replaced move to the tree's (where those have none). One host copy."""
-        if req is None and not self.snapshots:
-            return
-        old, new = self._to_host(torch.stack((old_slots, new_slots)).long()).tolist()
-        self.collect_frees(wait=True)  # the read synced: done copies; freed slots' snapshots go first
+        the slots the tree replaced move to the tree's (where those have none). Takes effect when
+        the slots' copy to the host is done (``collect_pending``); the snapshot's state is copied
+        at the next forward's start either way."""
+        snap = None
         if req is not None and req.num_tokens:
-            self._snapshot_on(old[-1], req, deferred=True)
-        for o, n in zip(old, new):
-            if o != n and o in self.snapshots and n not in self.snapshots:
-                self.snapshots[n] = self.snapshots.pop(o)
+            snap = SlotSnapshot(req.num_tokens, None, pending_row=req.slot)
+            self._pending_copies.append(snap)
+        elif not self.snapshots and not self._pending:
+            return
+        self._pending.append(_PendingPublish(*self._start_copy([old_slots.long(), new_slots.long()], stack=True),
+                                             snap=snap))
+
+    def _apply_publish(self, pending: _PendingPublish) -> None:
+        old, new = pending.host[0], pending.host[1]
+        if pending.snap is not None:
+            self._key_snapshot(int(old[-1]), pending.snap)
+        if self.snapshots:
+            moved = old != new
+            old, new = old[moved], new[moved]
+            has = torch.isin(old, torch.tensor(list(self.snapshots), dtype=torch.long))
+            for o, n in zip(old[has].tolist(), new[has].tolist()):
+                if n not in self.snapshots:
+                    self.snapshots[n] = self.snapshots.pop(o)
 
     @contextmanager
     def deferred_frees(self) -> Iterator[None]:
@@ -502,7 +541,7 @@ class SglangV4Cache:
         """SGLang freed these token slots: their entry rows and snapshots go with them. The
         slots' table entries are cleared on the device at once; the rows they owned (and the
         slots, where snapshots may sit on them) are copied to the host without a sync and
-        returned to the pools by ``collect_frees``."""
+        returned to the pools by ``collect_pending``."""
         if slots.numel() == 0:
             return
         if self._deferred is not None:
@@ -514,36 +553,43 @@ class SglangV4Cache:
         self._orphans = []
         for r in RATIOS:
             self.entry_of_slot[r][dev_slots] = -1
-        self._pending_frees.append(self._start_copy(freed, dev_slots if self.snapshots else None))
+        # the slots too where a snapshot may sit on one once the frees before it are collected
+        carry = bool(self.snapshots or self._pending)
+        parts = [rows.long() for _, rows in freed] + ([dev_slots] if carry else [])
+        self._pending.append(_PendingFree(*self._start_copy(parts), counts=[(r, rows.numel()) for r, rows in freed],
+                                          num_slots=dev_slots.numel() if carry else 0))
 
-    def _start_copy(self, freed: list[tuple[int, Tensor]], slots: Tensor | None) -> _PendingFree:
-        parts = [rows.long() for _, rows in freed] + ([slots] if slots is not None else [])
-        dev = torch.cat(parts)
-        counts = [(r, rows.numel()) for r, rows in freed]
-        n_slots = slots.numel() if slots is not None else 0
+    def _start_copy(self, parts: list[Tensor], stack: bool = False
+                    ) -> tuple[Tensor, Tensor | None, "torch.cuda.Event | None"]:
+        """``parts`` (int64, on the device) concatenated (or stacked) and copied to the host
+        without a sync: -> (host buffer, device source, event after the copy) of an ``_InFlight``."""
+        dev = torch.stack(parts) if stack else torch.cat(parts)
         if dev.device.type != "cuda":
-            return _PendingFree(counts, n_slots, dev, None, None)
+            return dev, None, None
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
         host.copy_(dev, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _PendingFree(counts, n_slots, host, dev, done)
+        return host, dev, done
 
-    def collect_frees(self, wait: bool = False) -> None:
-        """Return the rows of the frees whose copies are done to the host pools and drop the
-        snapshots on their slots, oldest first; with ``wait``, every pending free (waiting for
-        the copies still running: a host sync, counted as ``free_waits`` when it happens)."""
-        while self._pending_frees:
-            pending = self._pending_frees[0]
+    def collect_pending(self, wait: bool = False) -> None:
+        """Let the frees and publishes whose copies are done take effect, oldest first (a free
+        returns its rows to the host pools and drops the snapshots on its slots; a publish keys
+        and moves snapshots); with ``wait``, all of them (waiting for the copies still running:
+        a host sync, counted as ``copy_waits`` when it happens)."""
+        while self._pending:
+            pending = self._pending[0]
             if not pending.ready():
                 if not wait:
                     return
                 t0 = time.perf_counter()
-                if pending.done is not None:
-                    pending.done.synchronize()
-                self.stats["free_waits"] += 1
+                pending.wait()
+                self.stats["copy_waits"] += 1
                 self.stats["host_read_ms"] += (time.perf_counter() - t0) * 1e3
-            self._pending_frees.pop(0)
+            self._pending.pop(0)
+            if isinstance(pending, _PendingPublish):
+                self._apply_publish(pending)
+                continue
             off = 0
             for r, n in pending.counts:
                 rows = pending.host[off:off + n]
@@ -553,12 +599,17 @@ class SglangV4Cache:
                 if self.snapshots.pop(s, None) is not None:
                     self.stats["snapshots_dropped"] += 1
 
+    def _pending_frees(self) -> list[_PendingFree]:
+        """The uncollected frees, their copies waited for (the integrity check's view)."""
+        frees = [p for p in self._pending if isinstance(p, _PendingFree)]
+        for pending in frees:
+            pending.wait()
+        return frees
+
     def _pending_rows(self, ratio: int) -> Tensor:
-        """The ratio-``ratio`` rows of uncollected frees (waiting for their copies), host int64."""
+        """The ratio-``ratio`` rows of uncollected frees (host int64)."""
         out = []
-        for pending in self._pending_frees:
-            if pending.done is not None:
-                pending.done.synchronize()
+        for pending in self._pending_frees():
             off = 0
             for r, n in pending.counts:
                 if r == ratio:
@@ -569,10 +620,7 @@ class SglangV4Cache:
 
     def _pending_slots(self) -> Tensor:
         """The freed slots of uncollected frees that carry them (host int64)."""
-        for pending in self._pending_frees:
-            if pending.done is not None:
-                pending.done.synchronize()
-        parts = [p.host[p.host.numel() - p.num_slots:] for p in self._pending_frees if p.num_slots]
+        parts = [p.host[p.host.numel() - p.num_slots:] for p in self._pending_frees() if p.num_slots]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
     def _free_rows(self, freed: list[tuple[int, Tensor]]) -> None:
@@ -585,7 +633,7 @@ class SglangV4Cache:
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
         """All token slots were released together (cache flush): drop every entry and snapshot."""
-        self.collect_frees(wait=True)
+        self.collect_pending(wait=True)
         self._free_rows([(r, t[:-1].clone()) for r, t in self.entry_of_slot.items()])  # not the scratch
         for t in self.entry_of_slot.values():
             t.fill_(-1)
@@ -692,7 +740,7 @@ class SglangV4Cache:
         nothing changed since the last check (SGLang checks every idle iteration)."""
         if self._changes == self._checked_at:
             return True
-        self.collect_frees(wait=True)  # the audit syncs anyway: the gauges then show the frees
+        self.collect_pending(wait=True)  # the audit syncs anyway: the gauges then show the frees
         self._checked_at = self._changes
         self._last_audit = time.monotonic()
         self.stats["integrity_checks"] += 1
@@ -714,8 +762,8 @@ class SglangV4Cache:
 
     def usage(self) -> dict[str, int]:
         """Entries, rings and snapshots held right now (for metrics and leak checks), after the
-        frees whose copies are done (``collect_frees``, no wait)."""
-        self.collect_frees()
+        frees whose copies are done (``collect_pending``, no wait)."""
+        self.collect_pending()
         entries = {r: p.num_used for r, p in self.pools.items()}
         return {"c4_entries": entries[4], "c128_entries": entries[128],
                 "compressed_bytes": int(sum(p.num_used * p.row_bytes for p in self.pools.values())),

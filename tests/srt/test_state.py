@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.oracle import OracleModel
 from sglang_dsv4.core.step import entry_width
-from sglang_dsv4.srt.state import MAX_PENDING_ORPHANS, RATIOS, SglangV4Cache, _PendingFree
+from sglang_dsv4.srt.state import MAX_PENDING_ORPHANS, RATIOS, SglangV4Cache, _InFlight
 
 ROWS, SLOTS, MAX_LEN = 4, 4096, 1024
 
@@ -283,6 +283,7 @@ def test_a_published_snapshot_is_copied_when_the_next_forward_starts(micro):
         model.forward(cache, [a], [shared])
         if published:
             cache.publish(a, own, own)  # the tree took the request's own slots
+            cache.collect_pending()  # keyed once the slots' copy is done (on the CPU: now)
             snap = cache.snapshots[int(own[-1])]
             assert snap.slot_state is None and snap.pending_row == 0
             cache.check_integrity()  # the bytes gauge counts the pending copy
@@ -305,9 +306,9 @@ def test_a_published_snapshot_is_copied_when_the_next_forward_starts(micro):
 
 @pytest.fixture
 def copies_in_flight(monkeypatch):
-    """Every free's copy to the host reads as still running (as on a GPU under the overlap
+    """Every free's and publish's copy to the host reads as still running (as on a GPU under the overlap
     scheduler, its stream behind the forward in flight) until something waits for it."""
-    monkeypatch.setattr(_PendingFree, "ready", lambda self: False)
+    monkeypatch.setattr(_InFlight, "ready", lambda self: False)
 
 
 def test_a_free_reads_nothing_back_and_its_rows_return_at_the_next_step(micro, copies_in_flight):
@@ -326,7 +327,7 @@ def test_a_free_reads_nothing_back_and_its_rows_return_at_the_next_step(micro, c
     cache._to_host = lambda t: reads.append(t.numel()) or real(t)
     freed = cache.req_to_token[0, :261].clone()
     cache.free_token_slots(freed)
-    assert reads == [] and len(cache._pending_frees) == 1
+    assert reads == [] and len(cache._pending) == 1
     assert {r: p.num_used for r, p in cache.pools.items()} == used  # not back yet
     assert int(cache.entry_of_slot[4][freed.long()].max()) == -1  # the device tables know at once
     cache.check_integrity(live_slots=torch.empty(0, dtype=torch.long))  # rows pending, snapshot going
@@ -337,7 +338,7 @@ def test_a_free_reads_nothing_back_and_its_rows_return_at_the_next_step(micro, c
     cache.req_to_token[2, :8] = Slots().take(8) + 3000  # slots no request used
     c = cache.bind(2, 1, 0)
     model.forward(cache, [c], [torch.arange(8)])
-    assert cache.stats["free_waits"] == 1 and not cache._pending_frees
+    assert cache.stats["copy_waits"] == 1 and not cache._pending
     assert {r: p.capacity for r, p in cache.pools.items()} == capacity
     assert cache.stats["snapshots_dropped"] == 1 and not cache.snapshots
 
@@ -360,15 +361,73 @@ def test_a_reused_slot_never_resumes_from_the_snapshot_of_its_freed_owner(micro,
         if case == "match":  # SGLang hands the slots to another prompt of the same length
             cache.req_to_token[2, :261] = cache.req_to_token[0, :261]
             assert cache.deepest_snapshot(cache.req_to_token[2, :261]) == (0, -1)
-            assert key not in cache.snapshots and not cache._pending_frees
+            assert key not in cache.snapshots and not cache._pending
         else:  # ... to a longer prompt, whose snapshot lands on the old one's slot
             cache.req_to_token[2, :39] = Slots().take(39) + 3000
             cache.req_to_token[2, 39:300] = cache.req_to_token[0, :261]
             c = cache.bind(2, 1, 0)
             model.forward(cache, [c], [torch.randint(0, cfg.vocab_size, (300,), generator=g)])
-            assert cache._pending_frees  # the step had rows enough: nothing waited
+            assert cache._pending  # the step had rows enough: nothing waited
             cache.take_snapshot(c)
-            cache.collect_frees(wait=True)
+            cache.collect_pending(wait=True)
             assert cache.snapshots[key].num_tokens == 300 and cache.stats["snapshots_dropped"] == 1
             assert cache.deepest_snapshot(cache.req_to_token[2, :300]) == (300, key)
         cache.check_integrity()
+
+
+def test_a_publish_reads_nothing_back_and_takes_effect_before_the_frees_after_it(micro, copies_in_flight):
+    """SGLang's checkpoint publishes a request's tokens (``publish``), then frees the slots the
+    tree already held (the dedup). The publish reads nothing back: its snapshot is keyed and the
+    request's snapshots move to the tree's slots when its copy is collected, ahead of the free, so
+    the free does not drop them; its state is copied at the next forward's start all the same."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    g = torch.Generator().manual_seed(21)
+    shared, tail = torch.randint(0, cfg.vocab_size, (261,), generator=g), torch.randint(0, cfg.vocab_size, (7,), generator=g)
+    cache, slots = _cache(cfg, "torch"), Slots()
+    tree = slots.take(261)  # another request's slots for the same 261 tokens, held by the tree
+    own = slots.take(268)
+    cache.req_to_token[0, :268] = own
+    a = cache.bind(0, 1, 0)
+    model.forward(cache, [a], [shared])
+    cache.take_snapshot(a)  # a fork point, on the request's own slot of position 260
+    model.forward(cache, [a], [tail])
+    published = torch.cat((tree, own[261:]))
+    reads = []
+    real = cache._to_host
+    cache._to_host = lambda t: reads.append(t.numel()) or real(t)
+    with cache.deferred_frees():
+        cache.publish(a, own.clone(), published)
+        cache.free_token_slots(own[:261].long())  # the duplicates
+    assert reads == [] and len(cache._pending) == 2 and list(cache.snapshots) == [int(own[260])]
+    cache.release_rows([0])
+    cache.req_to_token[0, :3] = slots.take(3)
+    cache.bind(0, 2, 0)  # a new request resets row 0: the published state was copied first
+    snap = next(p.snap for p in cache._pending if getattr(p, "snap", None) is not None)
+    assert snap.slot_state is not None
+    cache._to_host = real
+    assert cache.deepest_snapshot(published) == (268, int(own[267]))
+    assert cache.snapshots[int(own[267])] is snap and cache.snapshots[int(tree[260])].num_tokens == 261
+    assert cache.stats["snapshots_dropped"] == 0 and not cache._pending
+    cache.release_rows([0])
+    cache.check_integrity(live_slots=published)
+
+
+def test_a_free_after_an_uncollected_publish_drops_its_snapshot(micro, copies_in_flight):
+    """A request finishes: its publish (the first snapshot of the cache) and a free of its slots
+    are both in flight; collected in order, the snapshot is keyed and then dropped with its slot."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    cache, slots = _cache(cfg, "torch"), Slots()
+    own = slots.take(40)
+    cache.req_to_token[0, :40] = own
+    a = cache.bind(0, 1, 0)
+    model.forward(cache, [a], [torch.arange(40)])
+    cache.publish(a, own.clone(), own.clone())
+    cache.release_rows([0])
+    cache.free_token_slots(own.long())
+    assert not cache.snapshots
+    cache.collect_pending(wait=True)
+    assert cache.stats["snapshots_taken"] == 1 and cache.stats["snapshots_dropped"] == 1 and not cache.snapshots
+    assert all(p.num_used == 0 for p in cache.pools.values())
+    cache.check_integrity(live_slots=torch.empty(0, dtype=torch.long))

@@ -221,17 +221,16 @@ def test_a_forward_publishes_the_event_after_its_tables(tiny):
     cache.check_integrity()
 
 
-def test_a_free_behind_a_busy_stream_makes_no_host_sync(tiny):
-    """``free_token_slots`` under the overlap scheduler runs while a forward is in flight: it
-    clears the tables and starts the rows' copy with no host sync (torch's sync debug mode raises
-    nothing) and returns at once; the rows come back with the first collect after the copy."""
+def test_a_publish_and_a_free_behind_a_busy_stream_make_no_host_sync(tiny):
+    """SGLang's checkpoint (``publish``) and ``free_token_slots`` run under the overlap scheduler
+    while a forward is in flight: they start their copies with no host sync (torch's sync debug
+    mode raises nothing) and return at once; they take effect with the first collect after."""
     cfg, w = tiny
     model = V4Model(cfg, _gpu_weights(w, torch.bfloat16))
     cache = _cache(cfg)
     prompt = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(15))
     cache.req_to_token[0, :300] = torch.arange(1, 301)
     a, _ = _forward(model, cache, 0, 1, 0, prompt, [300])
-    cache.take_snapshot(a)
     cache.release_rows([0])
     used = {r: p.num_used for r, p in cache.pools.items()}
     slots = cache.req_to_token[0, :300].clone()
@@ -240,15 +239,18 @@ def test_a_free_behind_a_busy_stream_makes_no_host_sync(tiny):
     torch.cuda.set_sync_debug_mode("error")
     try:
         t0 = time.perf_counter()
+        cache.publish(a, slots, slots)
         cache.free_token_slots(slots)
-        cache.collect_frees()  # not done yet: nothing comes back, nothing waits
+        cache.collect_pending()  # not done yet: nothing comes back, nothing waits
         took = time.perf_counter() - t0
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert cache._pending_frees and {r: p.num_used for r, p in cache.pools.items()} == used
+    assert len(cache._pending) == 2 and {r: p.num_used for r, p in cache.pools.items()} == used
+    assert not cache.snapshots
     torch.cuda.synchronize()
-    cache.collect_frees()
-    assert not cache._pending_frees and all(p.num_used == 0 for p in cache.pools.values())
-    assert not cache.snapshots and cache.stats["free_waits"] == 0
-    report("free_behind_busy_stream", host_ms=round(took * 1e3, 3))
+    cache.collect_pending()
+    assert not cache._pending and all(p.num_used == 0 for p in cache.pools.values())
+    assert cache.stats["snapshots_taken"] == 1 and cache.stats["snapshots_dropped"] == 1  # keyed, then freed
+    assert not cache.snapshots and cache.stats["copy_waits"] == 0
+    report("publish_free_behind_busy_stream", host_ms=round(took * 1e3, 3))
     cache.check_integrity()
