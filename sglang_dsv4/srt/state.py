@@ -211,6 +211,9 @@ class SglangV4Cache:
         self._missing_entries = torch.zeros((), dtype=torch.long, device=self.device)
         # LRU order: least recently taken/matched/restored first
         self.snapshots: OrderedDict[int, SlotSnapshot] = OrderedDict()
+        # keys radix matches found since the last step's binds: not evicted before those binds
+        # (a later match of the round collects publishes, whose snapshots may evict)
+        self._matched: set[int] = set()
         self.snapshot_bytes_each = self.layout.slot_bytes
         self.snapshot_budget_bytes = (snapshot_budget_bytes if snapshot_budget_bytes is not None
                                       else default_snapshot_budget_bytes(num_req_rows, self.snapshot_bytes_each))
@@ -378,6 +381,7 @@ class SglangV4Cache:
         # server's critical path): the tokens that complete a group are the e // r - s // r of
         # each request, and the last end is the largest position + 1
         pos = positions.numpy()
+        self._matched.clear()  # the step's requests are bound: what they matched is restored
         self.collect_pending()  # the frees and publishes whose copies are done: no wait
         write = {}
         for r, pool in self.pools.items():
@@ -473,10 +477,14 @@ class SglangV4Cache:
         self._pending_copies = []
 
     def _evict_snapshots(self) -> None:
-        """Least recently used first, down to the budget. Safe between scheduler steps: a request
-        matches, binds and restores within one step, and evictions run after its bind."""
-        while len(self.snapshots) * self.snapshot_bytes_each > self.snapshot_budget_bytes and self.snapshots:
-            self.snapshots.popitem(last=False)
+        """Least recently used first, down to the budget, except what a radix match found since
+        the last step's binds (``_matched``: its request restores from it in the next step; a
+        later match of the same round collects publishes, whose new snapshots evict)."""
+        while len(self.snapshots) * self.snapshot_bytes_each > self.snapshot_budget_bytes:
+            victim = next((k for k in self.snapshots if k not in self._matched), None)
+            if victim is None:
+                return  # over budget until the next step's binds have restored what they matched
+            del self.snapshots[victim]
             self.stats["snapshots_evicted"] += 1
 
     def deepest_snapshot(self, path_slots: Tensor) -> tuple[int, int]:
@@ -495,6 +503,7 @@ class SglangV4Cache:
             key = int(host[i])
             if self.snapshots[key].num_tokens == i + 1:
                 self.snapshots.move_to_end(key)  # matched: most recently used
+                self._matched.add(key)
                 return i + 1, key
         return 0, -1
 

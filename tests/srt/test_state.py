@@ -431,3 +431,28 @@ def test_a_free_after_an_uncollected_publish_drops_its_snapshot(micro, copies_in
     assert cache.stats["snapshots_taken"] == 1 and cache.stats["snapshots_dropped"] == 1 and not cache.snapshots
     assert all(p.num_used == 0 for p in cache.pools.values())
     cache.check_integrity(live_slots=torch.empty(0, dtype=torch.long))
+
+
+def test_a_matched_snapshot_is_not_evicted_before_its_request_binds(micro, copies_in_flight):
+    """Within one scheduling round a request matches a snapshot, then a later match collects a
+    publish whose new snapshot puts the cache over its budget: the eviction spares what was
+    matched (its request restores from it in the next step) and takes the next one in LRU order."""
+    cfg, w = micro
+    model = V4Model(cfg, w)
+    probe = _cache(cfg, "torch")
+    cache = SglangV4Cache.with_own_table(cfg, ROWS, SLOTS, max_seq_len=MAX_LEN, backend="torch",
+                                         snapshot_budget_bytes=probe.snapshot_bytes_each)  # room for one
+    c_slots = Slots().take(30) + 3000
+    cache.req_to_token[2, :30] = c_slots
+    c = cache.bind(2, 1, 0)
+    model.forward(cache, [c], [torch.arange(30)])  # request C, about to finish
+    tail, (resume, key) = _shared_prefix(cfg, model, cache)  # request B (row 1) matched A's snapshot
+    assert resume == 261 and cache._matched == {key}
+    cache.publish(c, c_slots.clone(), c_slots.clone())  # request C finished, in flight
+    assert cache.deepest_snapshot(cache.req_to_token[1, :268]) == (261, key)  # another match collects it
+    assert list(cache.snapshots) == [key] and cache.stats["snapshots_evicted"] == 1
+    cache.expect_resume(1, 1, resume, key)
+    b = cache.bind(1, 1, resume)
+    model.forward(cache, [b], [tail])
+    assert not cache._matched
+    cache.check_integrity()
