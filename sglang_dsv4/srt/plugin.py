@@ -218,11 +218,11 @@ def _after_prepare_for_extend(result, batch, *args, **kwargs):
             generation = int(generations[row])
             for position in getattr(req, FORK_ATTR, None) or []:
                 cache.want_snapshot(row, generation, position)
-            resume, key = getattr(req, RESUME_ATTR, None) or (0, -1)
+            resume, snap = getattr(req, RESUME_ATTR, None) or (0, None)
             # a request continuing its chunked prefill is bound already; only its first chunk
             # resumes, from the prefix its match gave it (what prepare_for_extend just wrote)
             if resume and req.prefix_len == resume:
-                cache.expect_resume(row, generation, resume, key)
+                cache.expect_resume(row, generation, resume, snap)
     return result
 
 

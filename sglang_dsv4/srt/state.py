@@ -14,20 +14,20 @@ Only the radix tree decides what stays cached; we follow its token-slot lifetime
 The slot -> entry-row side table and each request row's list of entry rows live on the model's
 device and are appended by the step itself (``apply_tables``, inside the decode step's CUDA
 graph), so a decode step reads no host table and rebuilds nothing from the context. Entry rows
-are handed out on the host from lengths alone. A free (``free_token_slots``, in the scheduler)
-clears the freed slots' table entries on the device and starts a copy of the rows they owned to
-the host without waiting for it (``_PendingFree``); a publish (the radix tree took a request's
-tokens) copies the slot values it keys snapshots by the same way (``_PendingPublish``). Both
-take effect, in order, once their copies are done (``collect_pending``: before each step's
-allocation, and after any read that syncs anyway, such as a radix match's), so neither costs the
-scheduler a host sync.
+are handed out on the host from lengths alone.
 
-Under SGLang's overlap scheduler the hooks run while the next forward is in flight. What they
-read from the device (slot values, freed slots' entry rows) is written by the time the forward's
-table work ends; the cache records an event there (``end_forward``), which the model can hand the
-scheduler as the forward's read-done event (patches/read-done-event.md) so those reads stop
-waiting for the whole forward. A snapshot a hook takes is copied at the next forward's start,
-on the model's stream, since the forward in flight may still be writing the row (``SlotSnapshot``).
+The scheduler's hooks read nothing back from the device: under SGLang's overlap scheduler such a
+read waits for the forward in flight. A free (``free_token_slots``) clears the freed slots'
+table entries on the device and starts a copy of the rows they owned (and the slots) to the host
+without waiting for it (``_PendingFree``); a publish (the radix tree took a request's tokens) and
+a fork-point snapshot copy the slot values that key their snapshots the same way
+(``_PendingPublish``). They take effect in order once their copies are done (``collect_pending``:
+before each step's allocation, waiting only when a pool would otherwise grow). A radix match
+finds its snapshot on the tree's nodes (``radix_cache``), not through slot values. The cache
+records an event after a forward's last read of ``req_to_token`` (``end_forward``), which the
+model can hand the scheduler as the forward's read-done event (patches/read-done-event.md): its
+next writes of shared tables then wait for that, not the whole forward. A snapshot a hook takes is copied at the next forward's start, on
+the model's stream, since the forward in flight may still be writing the row (``SlotSnapshot``).
 
 SGLang's hooks reach the cache of their process through ``serving_cache()``, which the plugin
 sets once the model has built it (``register_serving_cache``); nothing else is process-wide.
@@ -97,11 +97,20 @@ class SlotSnapshot:
     A snapshot a scheduler hook takes (``SglangV4Cache.publish``) is copied on the model's stream
     at the start of the next forward (``pending_row``: the request row to copy then; ``slot_state``
     None until then): under SGLang's overlap scheduler the forward still running may be writing
-    that row, and a hook's copy on the scheduler's stream would race with it."""
+    that row, and a hook's copy on the scheduler's stream would race with it.
+
+    Owned by a token slot once keyed (``SglangV4Cache.snapshots``); the radix tree may also
+    hold it at its position (``radix_cache``). Dropped, it is ``released``: its state goes, and
+    nothing resumes from it."""
 
     num_tokens: int
     slot_state: dict[str, Tensor] | None
     pending_row: int | None = None
+    released: bool = False
+    key: int | None = None  # the token slot that owns it, once keyed
+
+    def release(self) -> None:
+        self.slot_state, self.pending_row, self.released, self.key = None, None, True, None
 
 
 @dataclass
@@ -219,7 +228,9 @@ class SglangV4Cache:
                                       else default_snapshot_budget_bytes(num_req_rows, self.snapshot_bytes_each))
         self.rows: dict[int, _Row] = {}
         self.pending_forks: dict[int, tuple[int, list[int]]] = {}  # row -> (generation, positions)
-        self._resume_keys: dict[int, tuple[int, int, int]] = {}  # row -> (generation, prefix, slot)
+        self._resume_from: dict[int, tuple[int, int, SlotSnapshot]] = {}  # row -> (generation, prefix, snapshot)
+        # per request row, its snapshots the radix tree has not placed yet (``take_row_snapshots``)
+        self._row_snaps: dict[int, list[SlotSnapshot]] = {}
         self.req_to_token: Tensor | None = None  # SGLang's (``srt.model``), or ``with_own_table``'s
         self._deferred: list[Tensor] | None = None
         self.stats = {"snapshots_taken": 0, "snapshots_restored": 0, "snapshots_dropped": 0,
@@ -228,8 +239,8 @@ class SglangV4Cache:
                       "aborts_queued": 0, "aborts_mid_prefill": 0, "aborts_running": 0,
                       "rows_read_back": 0,  # forwards whose rows came from the device (a host sync)
                       "resume_keys_read_back": 0,  # resumes whose snapshot key did (no expect_resume)
-                      # the cache's reads of device values outside the idle audit (``_to_host``):
-                      # on a GPU each a host sync, and the ms the host waited in them
+                      # the cache's reads of device values outside the idle audit (``_to_host``,
+                      # counted on any device): on a GPU each a host sync; the ms the host waited
                       "host_reads": 0, "host_read_ms": 0.0,
                       # collects that had to wait for a free's or publish's copy (a pool ran short)
                       "copy_waits": 0}
@@ -252,11 +263,11 @@ class SglangV4Cache:
         """``t`` on the host. From a GPU that is a host sync, which under SGLang's overlap
         scheduler waits for the step in flight: counted (``host_reads``) and timed
         (``host_read_ms``), so a server run shows what the scheduler's hooks wait."""
+        self.stats["host_reads"] += 1  # counted on the CPU too: the tests see what a GPU would sync on
         if t.device.type == "cpu":
             return t
         t0 = time.perf_counter()
         out = t.cpu()
-        self.stats["host_reads"] += 1
         self.stats["host_read_ms"] += (time.perf_counter() - t0) * 1e3
         return out
 
@@ -285,7 +296,7 @@ class SglangV4Cache:
         """
         if self._pending_copies:  # the forward's first device work: before any row changes
             self._copy_pending_snapshots()
-        hint = self._resume_keys.pop(row, None)
+        hint = self._resume_from.pop(row, None)
         bound = self.rows.get(row)
         if bound is not None and bound.generation == generation:
             if bound.state.num_tokens != prefix_len:
@@ -293,35 +304,50 @@ class SglangV4Cache:
                                    f"batch continues from {prefix_len}")
             return bound.state
         state = RequestState(slot=row)
+        self._row_snaps.pop(row, None)
         for table in self.req_entries.values():
             table[row].fill_(-1)
         if prefix_len == 0:
             self.layout.reset(self.slot_state, row)
         else:
             if hint is not None and hint[:2] == (generation, prefix_len):
-                key = hint[2]  # the radix match's: no read of the device table
+                snap = hint[2]  # the radix match's: no read of the device table
             else:
                 key = int(self._to_host(self.req_to_token[row, prefix_len - 1]))
                 self.collect_pending(wait=True)  # snapshots as of now: none of a freed slot's old owner
                 self.stats["resume_keys_read_back"] += 1
-            snap = self.snapshots.get(key)
-            if snap is None or snap.num_tokens != prefix_len:
+                snap = self.snapshots.get(key)
+            if snap is None or snap.released or snap.num_tokens != prefix_len:
                 raise RuntimeError(f"request row {row}: no snapshot at its cached prefix of {prefix_len} tokens "
                                    "(the radix cache must only match up to snapshot positions)")
             self.layout.copy_in(self.slot_state, row, snap.slot_state)
             self.refresh_entries(row, prefix_len, check=True)
-            self.snapshots.move_to_end(key)
             self.stats["snapshots_restored"] += 1
             self.stats["prompt_tokens_cached"] += prefix_len
         state.num_tokens = prefix_len
         self.rows[row] = _Row(state, generation)
         return state
 
-    def expect_resume(self, row: int, generation: int, prefix_len: int, key: int) -> None:
-        """The request about to bind ``row`` (``generation``) resumes at ``prefix_len`` from the
-        snapshot on token slot ``key`` (``deepest_snapshot``'s, at match time): its ``bind``
-        then reads nothing back from the device. Dropped with the row or at that bind."""
-        self._resume_keys[row] = (generation, prefix_len, key)
+    def expect_resume(self, row: int, generation: int, prefix_len: int, snap: SlotSnapshot) -> None:
+        """The request about to bind ``row`` (``generation``) resumes at ``prefix_len`` from
+        ``snap`` (its radix match's): its ``bind`` then reads nothing back from the device.
+        Dropped with the row or at that bind."""
+        self._resume_from[row] = (generation, prefix_len, snap)
+
+    def matched(self, snap: SlotSnapshot) -> None:
+        """A radix match found ``snap``: most recently used, and not evicted before the next
+        step's binds (``_evict_snapshots``)."""
+        self._matched.add(id(snap))
+        if snap.key is not None and self.snapshots.get(snap.key) is snap:
+            self.snapshots.move_to_end(snap.key)
+
+    def take_row_snapshots(self, row: int, end: int) -> list[SlotSnapshot]:
+        """The snapshots the request in ``row`` took at positions up to ``end`` and the radix tree
+        has not placed yet (the tree now holds its first ``end`` tokens: it places them)."""
+        snaps = self._row_snaps.get(row, [])
+        placed = [s for s in snaps if s.num_tokens <= end and not s.released]
+        self._row_snaps[row] = [s for s in snaps if s.num_tokens > end]
+        return placed
 
     def want_snapshot(self, row: int, generation: int, position: int) -> None:
         """Ask for a snapshot when the request in ``row`` passes ``position`` (a divergence point)."""
@@ -441,26 +467,30 @@ class SglangV4Cache:
 
     # ---- snapshots -----------------------------------------------------------------------
     def take_snapshot(self, req: RequestState) -> None:
-        """Snapshot ``req`` at its current position, owned by its token slot at position - 1."""
+        """Snapshot ``req`` at its current position (copied now, on the model's stream), owned by
+        its token slot at position - 1 once that slot's value reaches the host: copied without a
+        sync, keyed by ``collect_pending`` (as a publish is). The radix tree places it when it
+        holds the request's tokens up to there (``take_row_snapshots``)."""
         if req.num_tokens == 0:
             return
-        self._late_table_read = self._tables_read is not None
-        key = int(self._to_host(self.req_to_token[req.slot, req.num_tokens - 1]))
-        self.collect_pending(wait=True)  # the read synced: done copies; a freed slot's old snapshot goes first
-        self._snapshot_on(key, req)
-
-    def _snapshot_on(self, key: int, req: RequestState) -> None:
-        """Snapshot ``req`` now, owned by token slot ``key`` (its slot at position - 1)."""
-        if key in self.snapshots:
-            self.snapshots.move_to_end(key)
-            return
-        self._key_snapshot(key, SlotSnapshot(req.num_tokens, self.layout.copy_out(self.slot_state, req.slot)))
+        self._late_table_read = self._tables_read is not None  # reads req_to_token past the tables
+        snap = SlotSnapshot(req.num_tokens, self.layout.copy_out(self.slot_state, req.slot))
+        self._row_snaps.setdefault(req.slot, []).append(snap)
+        slot = self.req_to_token[req.slot, req.num_tokens - 1:req.num_tokens].to(self.device).long()
+        self._pending.append(_PendingPublish(*self._start_copy([slot, slot], stack=True), snap=snap))
 
     def _key_snapshot(self, key: int, snap: SlotSnapshot) -> None:
-        """``snap`` owned by token slot ``key``, unless the slot owns one already."""
-        if key in self.snapshots:
+        """``snap`` owned by token slot ``key``, unless the slot owns one already (then ``snap``
+        is released: that one holds the same prefix's state)."""
+        if snap.released:
+            return
+        held = self.snapshots.get(key)
+        if held is not None:
+            if held is not snap:
+                snap.release()
             self.snapshots.move_to_end(key)
             return
+        snap.key = key
         self.snapshots[key] = snap
         self.stats["snapshots_taken"] += 1
         self._evict_snapshots()
@@ -481,17 +511,17 @@ class SglangV4Cache:
         the last step's binds (``_matched``: its request restores from it in the next step; a
         later match of the same round collects publishes, whose new snapshots evict)."""
         while len(self.snapshots) * self.snapshot_bytes_each > self.snapshot_budget_bytes:
-            victim = next((k for k in self.snapshots if k not in self._matched), None)
+            victim = next((k for k, v in self.snapshots.items() if id(v) not in self._matched), None)
             if victim is None:
                 return  # over budget until the next step's binds have restored what they matched
-            del self.snapshots[victim]
+            self.snapshots.pop(victim).release()
             self.stats["snapshots_evicted"] += 1
 
     def deepest_snapshot(self, path_slots: Tensor) -> tuple[int, int]:
         """(P, key): the largest P such that path_slots[P-1] owns a snapshot at position P, and
-        that slot; (0, -1) if none. One host copy of the path (``expect_resume`` passes the key
-        on, so the request's bind needs none); the publishes and frees before it take effect
-        first (their copies are done once the read has synced)."""
+        that slot; (0, -1) if none. For drivers without SGLang's tree (tests, benchmarks; the
+        served match walks the tree instead): one host copy of the path, after which the
+        publishes and frees before it take effect (their copies are done once it has synced)."""
         if not (self.snapshots or self._pending) or path_slots.numel() == 0:
             return 0, -1
         host = self._to_host(path_slots.long())
@@ -502,8 +532,7 @@ class SglangV4Cache:
         for i in reversed(torch.nonzero(torch.isin(host, keys)).flatten().tolist()):
             key = int(host[i])
             if self.snapshots[key].num_tokens == i + 1:
-                self.snapshots.move_to_end(key)  # matched: most recently used
-                self._matched.add(key)
+                self.matched(self.snapshots[key])
                 return i + 1, key
         return 0, -1
 
@@ -518,6 +547,7 @@ class SglangV4Cache:
         if req is not None and req.num_tokens:
             snap = SlotSnapshot(req.num_tokens, None, pending_row=req.slot)
             self._pending_copies.append(snap)
+            self._row_snaps.setdefault(req.slot, []).append(snap)
         elif not self.snapshots and not self._pending:
             return
         self._pending.append(_PendingPublish(*self._start_copy([old_slots.long(), new_slots.long()], stack=True),
@@ -533,7 +563,8 @@ class SglangV4Cache:
             has = torch.isin(old, torch.tensor(list(self.snapshots), dtype=torch.long))
             for o, n in zip(old[has].tolist(), new[has].tolist()):
                 if n not in self.snapshots:
-                    self.snapshots[n] = self.snapshots.pop(o)
+                    moved_snap = self.snapshots[n] = self.snapshots.pop(o)
+                    moved_snap.key = n
 
     @contextmanager
     def deferred_frees(self) -> Iterator[None]:
@@ -605,7 +636,9 @@ class SglangV4Cache:
                 self.pools[r].free(rows[rows >= 0])
                 off += n
             for s in pending.host[off:].tolist():
-                if self.snapshots.pop(s, None) is not None:
+                snap = self.snapshots.pop(s, None)
+                if snap is not None:
+                    snap.release()
                     self.stats["snapshots_dropped"] += 1
 
     def _pending_frees(self) -> list[_PendingFree]:
@@ -647,6 +680,8 @@ class SglangV4Cache:
         for t in self.entry_of_slot.values():
             t.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)
+        for snap in self.snapshots.values():
+            snap.release()
         self.snapshots.clear()
         self._pending_copies = []
         self._changes += 1  # the next idle check runs (and refreshes the gauges)
@@ -657,7 +692,8 @@ class SglangV4Cache:
         for row in rows:
             self.rows.pop(row, None)
             self.pending_forks.pop(row, None)
-            self._resume_keys.pop(row, None)
+            self._resume_from.pop(row, None)
+            self._row_snaps.pop(row, None)
 
     def check_integrity(self, live_slots: Tensor | None = None, live_rows: list[int] | None = None) -> None:
         """Raise AssertionError unless the side tables and pools agree (callable at any time,

@@ -365,6 +365,7 @@ def test_serve_sweep_times_streamed_requests(servers):
     after = cache_counters(servers[1].port)
     assert r["requests"] == 4 and r["tok_s"] > 0
     assert 0 < r["ttft_ms"] < 1e3 * r["e2e_s"] and 0 < r["tpot_ms"] and 0 < r["itl_ms"]
-    # the cache's counters per step: on the CPU its tensors are host tensors, so no read syncs
-    assert after["forward_steps"] > before["forward_steps"] and after["host_reads"] == 0
+    # the cache's reads of device values per step (counted on the CPU too): the scheduler's
+    # hooks make none (matches walk the tree; publishes and frees copy without a sync)
+    assert after["forward_steps"] > before["forward_steps"] and after["host_reads"] == before["host_reads"]
     assert host_waits(before, after) == "0.00 / 0.000"

@@ -167,7 +167,7 @@ def test_a_resume_its_match_announced_binds_without_a_host_sync(tiny):
         assert resume == 300
         reads = cache.stats["host_reads"]
         if announced:
-            cache.expect_resume(1, 1, resume, key)
+            cache.expect_resume(1, 1, resume, cache.snapshots[key])
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -207,7 +207,7 @@ def test_a_forward_publishes_the_event_after_its_tables(tiny):
 
     model.forward(cache, [st], [prompt.cuda()])  # eager (an extend may sync before its tables)
     assert isinstance(cache.end_forward(), torch.cuda.Event)
-    cache.take_snapshot(st)  # reads the token slot of its position from req_to_token
+    cache.take_snapshot(st)  # copies the token slot of its position from req_to_token
     assert cache.end_forward() is None
     model.enable_cuda_graphs(max_batch=4)
     for i in range(3):  # the first captures the graph (and synchronises); the next ones replay it
