@@ -26,8 +26,9 @@ before each step's allocation, waiting only when a pool would otherwise grow). A
 finds its snapshot on the tree's nodes (``radix_cache``), not through slot values. The cache
 records an event after a forward's last read of ``req_to_token`` (``end_forward``), which the
 model can hand the scheduler as the forward's read-done event (patches/read-done-event.md): its
-next writes of shared tables then wait for that, not the whole forward. A snapshot a hook takes is copied at the next forward's start, on
-the model's stream, since the forward in flight may still be writing the row (``SlotSnapshot``).
+next writes of shared tables then wait for that, not the whole forward. A snapshot a hook takes
+is copied at the next forward's start, on the model's stream, since the forward in flight may
+still be writing the row (``SlotSnapshot``).
 
 SGLang's hooks reach the cache of their process through ``serving_cache()``, which the plugin
 sets once the model has built it (``register_serving_cache``); nothing else is process-wide.
@@ -137,8 +138,22 @@ class _PendingFree(_InFlight):
     slots as held; nothing keys a new snapshot on a freed slot before its free is collected
     (every keying reads a slot value first, or is a publish, collected in order)."""
 
-    counts: list[tuple[int, int]] = field(default_factory=list)  # (ratio, n) segments of ``host``; then the slots
+    # (ratio, n) segments of ``host``, in order; the slots after them
+    counts: list[tuple[int, int]] = field(default_factory=list)
     num_slots: int = 0  # freed slots at ``host``'s end (0: no snapshots to drop)
+
+    def rows(self) -> list[tuple[int, Tensor]]:
+        """(ratio, the real entry rows of that segment), in order (the copy must be done)."""
+        out, off = [], 0
+        for r, n in self.counts:
+            seg = self.host[off:off + n]
+            out.append((r, seg[seg >= 0]))
+            off += n
+        return out
+
+    def slots(self) -> Tensor:
+        """The freed slots it carries (empty when it carries none)."""
+        return self.host[self.host.numel() - self.num_slots:]
 
 
 @dataclass
@@ -448,15 +463,15 @@ class SglangV4Cache:
         after its last read of SGLang's ``req_to_token`` and last write of the entry tables, for
         SGLang's ``model_runner.shared_read_done_event``; None where it has none (the CPU) or a
         fork-point snapshot read ``req_to_token`` after the tables (then SGLang fences on the
-        whole forward). What the scheduler's hooks read between steps (slot values, the entry
-        rows of freed slots, the tables) is written by then, so under the overlap scheduler
-        their reads wait for the forward in flight only up to that point, not to its end."""
+        whole forward). The scheduler's stream waits on it before its next writes of the shared
+        tables, and so do the copies our hooks start there (frees, publishes): under the overlap
+        scheduler they then finish early in the forward in flight, not at its end."""
         late, self._late_table_read = self._late_table_read, False
         return None if late else self._tables_read
 
     def retire(self, replaced: dict[int, Tensor]) -> None:
         """The rows a step's slots held before it wrote them again: pending orphans, freed with
-        the next freed slots (one host copy then, between scheduler steps). Every step that
+        the next freed slots (their copy goes with that free's). Every step that
         builds its tables hands a tensor per ratio, mostly -1 (nothing replaced); with no free
         in between (one long request, extends on one row) the list is folded down to its real
         rows every ``MAX_PENDING_ORPHANS`` tensors, so it stays bounded (one host copy each)."""
@@ -596,7 +611,8 @@ class SglangV4Cache:
         # the slots too where a snapshot may sit on one once the frees before it are collected
         carry = bool(self.snapshots or self._pending)
         parts = [rows.long() for _, rows in freed] + ([dev_slots] if carry else [])
-        self._pending.append(_PendingFree(*self._start_copy(parts), counts=[(r, rows.numel()) for r, rows in freed],
+        counts = [(r, rows.numel()) for r, rows in freed]
+        self._pending.append(_PendingFree(*self._start_copy(parts), counts=counts,
                                           num_slots=dev_slots.numel() if carry else 0))
 
     def _start_copy(self, parts: list[Tensor], stack: bool = False
@@ -630,12 +646,9 @@ class SglangV4Cache:
             if isinstance(pending, _PendingPublish):
                 self._apply_publish(pending)
                 continue
-            off = 0
-            for r, n in pending.counts:
-                rows = pending.host[off:off + n]
-                self.pools[r].free(rows[rows >= 0])
-                off += n
-            for s in pending.host[off:].tolist():
+            for r, rows in pending.rows():
+                self.pools[r].free(rows)
+            for s in pending.slots().tolist():
                 snap = self.snapshots.pop(s, None)
                 if snap is not None:
                     snap.release()
@@ -650,19 +663,12 @@ class SglangV4Cache:
 
     def _pending_rows(self, ratio: int) -> Tensor:
         """The ratio-``ratio`` rows of uncollected frees (host int64)."""
-        out = []
-        for pending in self._pending_frees():
-            off = 0
-            for r, n in pending.counts:
-                if r == ratio:
-                    out.append(pending.host[off:off + n])
-                off += n
-        rows = torch.cat(out) if out else torch.empty(0, dtype=torch.long)
-        return rows[rows >= 0]
+        out = [rows for p in self._pending_frees() for r, rows in p.rows() if r == ratio]
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
     def _pending_slots(self) -> Tensor:
         """The freed slots of uncollected frees that carry them (host int64)."""
-        parts = [p.host[p.host.numel() - p.num_slots:] for p in self._pending_frees() if p.num_slots]
+        parts = [p.slots() for p in self._pending_frees() if p.num_slots]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
     def _free_rows(self, freed: list[tuple[int, Tensor]]) -> None:
@@ -699,9 +705,10 @@ class SglangV4Cache:
         """Raise AssertionError unless the side tables and pools agree (callable at any time,
         without a flush; host syncs: not for the step).
 
-        Always: every entry row in use is owned by exactly one token slot or is a pending orphan
-        or on its way back (an uncollected free), and every owned row is in use; each bound request row's entries are rows in use; no
-        resume so far found an entry missing (``refresh_entries``). With
+        Always: every entry row in use is owned by exactly one token slot, is a pending orphan or
+        is on its way back (an uncollected free), and every owned row is in use; each bound
+        request row's entries are rows in use; no resume so far found an entry missing
+        (``refresh_entries``). With
         ``live_slots`` (the token slots SGLang holds: tree + running requests): every slot owning
         an entry or a snapshot is live. With ``live_rows`` (SGLang's request rows in use): rings
         are held exactly by those rows.
