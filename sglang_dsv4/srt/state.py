@@ -286,21 +286,19 @@ class SglangV4Cache:
         self.stats["host_read_ms"] += (time.perf_counter() - t0) * 1e3
         return out
 
-    def _host_rows(self, pending: list[tuple[int, Tensor]],
-                   also: Tensor | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
-        """(ratio, device rows, -1 for none) pairs -> (per ratio the real rows on the host, ``also``
-        on the host), in one copy (``_to_host``)."""
-        parts = [rows.long() for _, rows in pending] + ([also.long()] if also is not None else [])
-        if not parts:
-            return {}, None
-        host = self._to_host(torch.cat(parts))
+    def _host_rows(self, pending: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
+        """(ratio, device rows, -1 for none) pairs -> per ratio the real rows on the host, in one
+        copy (``_to_host``: a host sync on a GPU, which only a cache flush makes now)."""
+        if not pending:
+            return {}
+        host = self._to_host(torch.cat([rows.long() for _, rows in pending]))
         out: dict[int, list[Tensor]] = {}
         off = 0
         for r, rows in pending:
             part = host[off:off + rows.numel()]
             out.setdefault(r, []).append(part[part >= 0])
             off += rows.numel()
-        return {r: torch.cat(p) for r, p in out.items()}, (host[off:] if also is not None else None)
+        return {r: torch.cat(p) for r, p in out.items()}
 
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
@@ -471,14 +469,15 @@ class SglangV4Cache:
 
     def retire(self, replaced: dict[int, Tensor]) -> None:
         """The rows a step's slots held before it wrote them again: pending orphans, freed with
-        the next freed slots (their copy goes with that free's). Every step that
-        builds its tables hands a tensor per ratio, mostly -1 (nothing replaced); with no free
-        in between (one long request, extends on one row) the list is folded down to its real
-        rows every ``MAX_PENDING_ORPHANS`` tensors, so it stays bounded (one host copy each)."""
+        the next freed slots (their copy goes with that free's). Every step that builds its
+        tables hands a tensor per ratio, mostly -1 (nothing replaced); with no free in between
+        (one long request, extends on one row) every ``MAX_PENDING_ORPHANS`` tensors start a
+        free of their own, copied without a sync like a slot free, so the list stays bounded."""
         self._orphans.extend(replaced.items())
         if len(self._orphans) > MAX_PENDING_ORPHANS:
-            self._orphans = [(r, rows.to(self.device)) for r, rows in self._host_rows(self._orphans)[0].items()
-                             if rows.numel()]
+            orphans, self._orphans = self._orphans, []
+            self._pending.append(_PendingFree(*self._start_copy([rows.long() for _, rows in orphans]),
+                                              counts=[(r, rows.numel()) for r, rows in orphans]))
 
     # ---- snapshots -----------------------------------------------------------------------
     def take_snapshot(self, req: RequestState) -> None:
@@ -675,14 +674,15 @@ class SglangV4Cache:
         """Return (ratio, device rows) and the pending orphans to the host pools: one copy."""
         freed = freed + self._orphans
         self._orphans = []
-        for r, host in self._host_rows(freed)[0].items():
+        for r, host in self._host_rows(freed).items():
             self.pools[r].free(host)
 
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
         """All token slots were released together (cache flush): drop every entry and snapshot."""
         self.collect_pending(wait=True)
-        self._free_rows([(r, t[:-1].clone()) for r, t in self.entry_of_slot.items()])  # not the scratch
+        if self._orphans or any(pool.num_used for pool in self.pools.values()):  # not at start-up
+            self._free_rows([(r, t[:-1].clone()) for r, t in self.entry_of_slot.items()])  # not the scratch
         for t in self.entry_of_slot.values():
             t.fill_(-1)
         self.stats["snapshots_dropped"] += len(self.snapshots)

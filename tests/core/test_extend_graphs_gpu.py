@@ -143,7 +143,7 @@ def test_a_replayed_extend_never_syncs_and_memory_stays_flat(tiny_gpu, serving_r
     torch.cuda.synchronize()
     assert model.extend_graphs.captured == shapes
     # the replaced-row tensors each replay hands ``retire`` (two ratios, 32 int64 each: a 512-byte
-    # block apiece) pend until a free or a fold (srt.state.MAX_PENDING_ORPHANS): bounded, not per step
+    # block apiece) pend until a free or their own (srt.state.MAX_PENDING_ORPHANS): bounded, not per step
     assert torch.cuda.memory_allocated() - before <= 4096 + MAX_PENDING_ORPHANS * 2 * 512
     srv.cache.check_integrity()
 
