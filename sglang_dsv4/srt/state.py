@@ -605,8 +605,8 @@ class SglangV4Cache:
         dev_slots = slots.to(self.device).long()
         freed = [(r, self.entry_of_slot[r][dev_slots]) for r in RATIOS] + self._orphans
         self._orphans = []
-        for r in RATIOS:
-            self.entry_of_slot[r][dev_slots] = -1
+        for r in RATIOS:  # index_fill_: ``t[idx] = -1`` would copy the -1 to the device, a host sync
+            self.entry_of_slot[r].index_fill_(0, dev_slots, -1)
         # the slots too where a snapshot may sit on one once the frees before it are collected
         carry = bool(self.snapshots or self._pending)
         parts = [rows.long() for _, rows in freed] + ([dev_slots] if carry else [])
