@@ -158,10 +158,15 @@ def hc_pre(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config,
     the same ops, one fused region with the weighted sum on the GPU.
 
     On a GPU with SGLang importable the split and Sinkhorn of the mixes are SGLang's Triton kernel
-    (one launch instead of ~40, ``kernels.hc_split``); the torch ops everywhere else."""
-    mixes = hc_mixes(h, fn, cfg)
-    split = hc_split.hc_split_sinkhorn(mixes, scale, base, cfg) if h.is_cuda else None
-    pre, post, comb = split if split is not None else hc_split_torch(mixes, base, scale, cfg)
+    (one launch instead of ~40, ``kernels.hc_split``), with ``SGLANG_DSV4_HC_FUSED_PRE=1`` the
+    mixes too (``hc_split.hc_pre_split``); the torch ops everywhere else."""
+    split = hc_split.hc_pre_split(h, fn, scale, base, cfg) if h.is_cuda else None
+    if split is None:
+        mixes = hc_mixes(h, fn, cfg)
+        split = hc_split.hc_split_sinkhorn(mixes, scale, base, cfg) if h.is_cuda else None
+        if split is None:
+            split = hc_split_torch(mixes, base, scale, cfg)
+    pre, post, comb = split
     y = hc_weighted_sum(pre, h) if norm is None else hc_weighted_norm(pre, h, norm, cfg.rms_norm_eps)
     return y, post, comb
 
