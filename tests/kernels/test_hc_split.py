@@ -11,7 +11,8 @@ from sglang_dsv4.core import ops
 from sglang_dsv4.kernels import hc_split
 from sglang_dsv4.tiny import preset_config
 
-_INTERPRETED = r"""
+# a case of tiny's hyper-connections at a small width, for the interpreted scripts below
+_CASE = r"""
 import torch
 from sglang_dsv4.core import ops
 from sglang_dsv4.kernels import hc_split
@@ -22,6 +23,9 @@ T, hc, D = 37, cfg.hc_mult, 64
 h = torch.randn(T, hc, D)
 fn = torch.randn((2 + hc) * hc, hc * D) * 0.05
 base, scale = torch.randn((2 + hc) * hc) * 0.5, torch.rand(3) + 0.5
+"""
+
+_INTERPRETED = _CASE + r"""
 assert hc_split.sglang_kernel() is not None, "SGLang's kernel does not import"
 mixes = ops.hc_mixes(h, fn, cfg)
 got = hc_split.hc_split_sinkhorn(mixes, scale, base, cfg)
@@ -41,17 +45,7 @@ def test_sglang_split_sinkhorn_equals_the_torch_ops_interpreted(triton_interpret
     assert worst < 1e-5, worst  # fp32, the same operations in the same order up to the 4-term sums
 
 
-_FUSED_PRE = r"""
-import torch
-from sglang_dsv4.core import ops
-from sglang_dsv4.kernels import hc_split
-from sglang_dsv4.tiny import preset_config
-cfg = preset_config("tiny")
-torch.manual_seed(1)
-T, hc, D = 37, cfg.hc_mult, 64
-h = torch.randn(T, hc, D)
-fn = torch.randn((2 + hc) * hc, hc * D) * 0.05
-base, scale = torch.randn((2 + hc) * hc) * 0.5, torch.rand(3) + 0.5
+_FUSED_PRE = _CASE + r"""
 assert hc_split.sglang_fused_pre() is not None, "SGLang's hc_mix_stats_sinkhorn does not import"
 assert hc_split.hc_pre_split(h, fn, scale, base, cfg, enabled=False) is None  # off: the default path
 got = hc_split.hc_pre_split(h, fn, scale, base, cfg, enabled=True)
