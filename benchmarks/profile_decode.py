@@ -8,7 +8,9 @@ host time of each phase of ``V4Model.forward``, the eager step's kernels from th
 profiler (count, summed time, top kernels by time), and with ``--census`` the eager step's kernel
 launches by the innermost ``sglang_dsv4`` function that issued them (and its caller), from the
 profiler's Python tracer: which code a fusion has to take on next (a graph replays the same
-kernels; on an H200 each small one costs ~2-3 us however little it does). ``SGLANG_DSV4_COMPILE=0`` profiles the
+kernels; on an H200 each small one costs ~2-3 us however little it does). The last table gives
+each case's roofline as ``bench_decode`` does (the bytes the step must read over the copy
+bandwidth measured in the same run) and step / roofline. ``SGLANG_DSV4_COMPILE=0`` profiles the
 uncompiled ops (``core.compiled``).
 """
 
@@ -21,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.bench_decode import LAUNCH_CALLS, NewPath, bench_weights, make_config
+from benchmarks.bench_decode import LAUNCH_CALLS, NewPath, bench_weights, copy_bandwidth, make_config, step_bytes
 from sglang_dsv4.core import graphs as graphs_mod
 from sglang_dsv4.core import model as model_mod
 
@@ -160,6 +162,8 @@ def main() -> None:
     timer.wrap(model_mod.V4Model, "_per_request", "outputs")
     timer.wrap(model_mod.V4Model, "forward", "forward (all)")
     summary = []
+    bw = copy_bandwidth("cuda")  # the roofline's: the bytes a step must read over this
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})")
     for case in args.cases.split(","):
         cname, b, ctx = case.split(":")
         b, ctx = int(b), int(ctx)
@@ -194,13 +198,14 @@ def main() -> None:
             print("| launches | kernel ms | where (innermost <- caller) |\n|---|---|---|")
             for site, cnt, ms in sites[:args.census]:
                 print(f"| {cnt} | {ms:.3f} | {site} |")
-        summary.append((case, 1e3 * statistics.median(wall), rep, n, ktotal, phases.get("forward (all)", 0)))
+        roof = 1e3 * step_bytes(cfg, w, b, ctx) / bw
+        summary.append((case, 1e3 * statistics.median(wall), rep, n, ktotal, phases.get("forward (all)", 0), roof))
         del path, w
         torch.cuda.empty_cache()
-    print("\n| case | step ms | replay ms | host forward ms | eager kernels | kernel ms |")
-    print("|---|---|---|---|---|---|")
-    for case, s, r, n, k, f in summary:
-        print(f"| {case} | {s:.2f} | {r:.2f} | {f:.2f} | {n} | {k:.2f} |")
+    print("\n| case | step ms | replay ms | host forward ms | eager kernels | kernel ms | roofline ms | step / roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case, s, r, n, k, f, roof in summary:
+        print(f"| {case} | {s:.2f} | {r:.2f} | {f:.2f} | {n} | {k:.2f} | {roof:.3f} | {s / roof:.1f} |")
 
 
 if __name__ == "__main__":
