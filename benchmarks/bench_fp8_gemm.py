@@ -1,7 +1,7 @@
 """Tile configurations of the fp8 block GEMM (``kernels.fp8_linear``) at decode shapes, on the GPU.
 
     python -m benchmarks.bench_fp8_gemm [--tokens 1,64,256] [--experts 32,8] [--dense-tokens 1,64,256]
-        [--stages 3,4] [--reps 30]
+        [--stages 3,4] [--reps 30] [--cublas]
 
 Times ``fp8_gemm`` on V4-Flash's dense projection shapes and on the routed experts' two grouped
 GEMMs (k = 6 of E experts, random routing, the row layout of ``fp8_moe``), once with the
@@ -9,7 +9,9 @@ shipped choice (``fp8_linear._config``, ``fp8_moe.block_rows``) and once per can
 configuration, and prints per case the time, the bytes the GEMM must read (the weights its rows
 touch, once) per second, the time over those bytes / the copy bandwidth measured in the same run
 (``bench_decode``'s roofline), and
-the largest difference from the shipped configuration's result (0: the same bits). Weights are
+the largest difference from the shipped configuration's result (0: the same bits). ``--cublas``:
+instead, the dense shapes with the shipped Triton kernel against cuBLAS's block-scaled GEMM
+(``kernels.fp8_cublas``, opt-in ``SGLANG_DSV4_FP8_GEMM=cublas``), side by side. Weights are
 rotated through copies larger than the L2, as the layers of a step are. A harness: what a
 configuration costs decides ``_config``; nothing here is imported by the package.
 """
@@ -23,6 +25,7 @@ import math
 import torch
 
 from benchmarks.bench_decode import copy_bandwidth
+from sglang_dsv4.kernels import fp8_cublas
 from sglang_dsv4.kernels import fp8_linear as fp8_mod
 from sglang_dsv4.kernels import fp8_moe
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm, quantize_act
@@ -124,6 +127,26 @@ def grouped_cases(tokens: list[int], experts: list[int], g: torch.Generator):
             yield f"experts E={E} w2", t, used * DIM * INTER, w2_gemm, [16, 32, 64], w2_gemm, shipped
 
 
+def cublas_table(tokens: list[int], reps: int, bw: float, g: torch.Generator) -> None:
+    """The dense shapes, the Triton kernel against cuBLAS (``fp8_cublas``), side by side."""
+    fp8_cublas.REQUESTED = True
+    fp8_mod.prepare(torch.device("cuda"))
+    dev = torch.cuda.current_device()
+    if not fp8_cublas._checked.get(dev):
+        raise SystemExit("cuBLAS's block-scaled fp8 GEMM did not pass its check here (see the log)")
+    print("| GEMM | tokens | Triton us | Triton / roofline | cuBLAS us | cuBLAS / roofline | speed-up | max rel diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, t, nbytes, fn, _, result, _ in dense_cases(tokens, g):
+        fp8_cublas._checked[dev] = False
+        want, tri = result(None), time_us(lambda: fn(None), reps)
+        fp8_cublas._checked[dev] = True
+        got, cub = result(None), time_us(lambda: fn(None), reps)
+        diff = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+        roof = nbytes / bw * 1e6  # the weight bytes over the copy bandwidth, us (bench_decode's roofline)
+        print(f"| {name} | {t} | {tri:.1f} | {tri / roof:.2f} | {cub:.1f} | {cub / roof:.2f} | {tri / cub:.2f}x | "
+              f"{diff:.1e} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,64,256")
@@ -131,11 +154,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dense-tokens", default="1,64,256", help="token counts of the dense cases ('' for none)")
     ap.add_argument("--stages", default="3,4")
+    ap.add_argument("--cublas", action="store_true", help="the dense shapes, Triton against cuBLAS, only")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth("cuda")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    if args.cublas:
+        return cublas_table([int(t) for t in args.dense_tokens.split(",")], args.reps, bw, g)
     tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=int(ns)) for bn in (64, 128, 256) for nw in (4, 8)
              for ns in args.stages.split(",")]
     rows = []

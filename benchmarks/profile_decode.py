@@ -202,7 +202,8 @@ def main() -> None:
         summary.append((case, 1e3 * statistics.median(wall), rep, n, ktotal, phases.get("forward (all)", 0), roof))
         del path, w
         torch.cuda.empty_cache()
-    print("\n| case | step ms | replay ms | host forward ms | eager kernels | kernel ms | roofline ms | step / roofline |")
+    print("\n| case | step ms | replay ms | host forward ms | eager kernels | kernel ms | roofline ms "
+          "| step / roofline |")
     print("|---|---|---|---|---|---|---|---|")
     for case, s, r, n, k, f, roof in summary:
         print(f"| {case} | {s:.2f} | {r:.2f} | {f:.2f} | {n} | {k:.2f} | {roof:.3f} | {s / roof:.1f} |")

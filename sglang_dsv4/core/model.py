@@ -26,7 +26,7 @@ import torch
 
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch
-from ..kernels.fp8_linear import Fp8Weight
+from ..kernels.fp8_linear import Fp8Weight, prepare as prepare_fp8
 from ..kernels.kv_layout import RowLayout
 from . import ops
 from .cache import RequestState
@@ -120,6 +120,8 @@ class V4Model:
         # "fp8" when the loader kept the checkpoint's matrices quantised (``checkpoint.loader``'s
         # weight_mode; ops.linear / grouped_experts dispatch on the weights' type), else "bf16"
         self.weight_mode = "fp8" if any(isinstance(v, Fp8Weight) for v in weights.values()) else "bf16"
+        if self.weight_mode == "fp8":
+            prepare_fp8(self.device)  # the dense GEMMs' backend, fixed before anything is traced
         if (self.weight_mode == "fp8" and self.device.type == "cuda") or ops.grouped_mm_available(
                 self.device, weights["embed.weight"].dtype):
             self._stack_experts()

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..core.compiled import on_gpu
 from ..quant import FP8_MAX, FP8_WEIGHT_BLOCK, dequantize_fp8_blockwise, pow2_scale
+from . import fp8_cublas
 from .triton_support import INTERPRET  # a module attribute here: tests switch it off
 
 Tensor = torch.Tensor
@@ -225,6 +226,8 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
     if grouped and block_m is None:
         raise ValueError("fp8_gemm: a grouped GEMM needs the block_m its block_expert table was built for")
+    if not grouped and rows is None and fp8_cublas.planned(M, N, K, a_q.device):
+        return fp8_cublas.block_scaled_mm(a_q[:M], a_s[:M], w.q, w.scale, out_dtype)
     c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
     if M == 0:
         return c
@@ -267,7 +270,8 @@ def _fp8_gemm_shape(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype:
     [S, M, N] where the kernel splits K and ``sum_splits`` is False."""
     N, K = wq.shape[-2:]
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
-    if M and _runs_kernel(a_q.device) and not sum_splits:
+    cublas = block_expert is None and rows is None and fp8_cublas.planned(M, N, K, a_q.device)
+    if M and _runs_kernel(a_q.device) and not sum_splits and not cublas:
         splits = _plan(M, N, K, block_m, block_expert is not None, a_q.device)[2]
         if splits > 1:
             return a_q.new_empty(splits, M, N, dtype=torch.float32)
@@ -303,6 +307,15 @@ def fp8_gemm_reference(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.
     return out.to(out_dtype)
 
 
+def prepare(device: torch.device) -> None:
+    """Before a model's first fp8 GEMM on ``device``: with ``SGLANG_DSV4_FP8_GEMM=cublas``, decide
+    once whether its dense GEMMs take cuBLAS (``fp8_cublas.check_device`` against this module's
+    kernel). A no-op otherwise."""
+    if fp8_cublas.REQUESTED and device.type == "cuda":
+        fp8_cublas.check_device(device, lambda a_q, a_s, w_q, w_s: fp8_gemm(a_q, a_s, Fp8Weight(w_q, w_s),
+                                                                            torch.float32))
+
+
 def fp8_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     """x [M, K] @ dequant(w).T with x quantised as V4's QAT does (fp8 e4m3, groups of 128, ue8m0
     scales) -> [M, N] in x's dtype. Traced inside a fused region (``core.compiled``), a split-K
@@ -323,4 +336,5 @@ def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
 
 
 __all__ = ["Fp8Weight", "weight_nbytes", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
+           "prepare",
            "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "ACT_GROUP", "triton_missing"]

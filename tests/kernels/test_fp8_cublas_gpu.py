@@ -1,0 +1,65 @@
+"""``kernels.fp8_cublas`` on the GPU (opt-in ``SGLANG_DSV4_FP8_GEMM=cublas``): cuBLAS's block-scaled
+fp8 GEMM against the Triton kernel it would replace, on V4-Flash's dense shapes, eager and
+through a compiled caller's torch op (whose fake must give the launch's shape), and in a graph."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_dsv4.kernels import fp8_cublas
+from sglang_dsv4.kernels import fp8_linear as fp8_mod
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm, fp8_linear, quantize_act
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+SHAPES = [(1024, 4096), (32768, 1024), (4096, 8192), (4096, 2048)]  # wq_a, wq_b, wo_b, shared w2
+
+
+def _weight(n: int, k: int, seed: int) -> Fp8Weight:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = (torch.randn(n, k, generator=g, device=DEV) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.exp2(torch.randint(-12, -8, (math.ceil(n / 128), math.ceil(k / 128)), generator=g, device=DEV).float())
+    return Fp8Weight(q, s)
+
+
+@pytest.fixture
+def cublas(monkeypatch):
+    """cuBLAS requested and checked on this device (skipped, with the check's reason, where this
+    torch / CUDA has no block-scaled recipe)."""
+    monkeypatch.setattr(fp8_cublas, "REQUESTED", True)
+    fp8_cublas._checked.clear()
+    fp8_mod.prepare(DEV)
+    if not fp8_cublas.planned(64, 1024, 4096, DEV):
+        pytest.skip("cuBLAS's block-scaled fp8 GEMM did not pass its check here (see the log line)")
+    yield
+    fp8_cublas._checked.clear()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 64, 256])
+def test_cublas_equals_the_triton_kernel_to_rounding(cublas, m, n, k):
+    w = _weight(n, k, seed=n + k)
+    xq, xs = quantize_act(torch.randn(m, k, device=DEV))
+    got = fp8_gemm(xq, xs, w, torch.float32)
+    fp8_cublas._checked[DEV.index or 0] = False  # the Triton kernel, for the reference
+    want = fp8_gemm(xq, xs, w, torch.float32)
+    fp8_cublas._checked[DEV.index or 0] = True
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-4, err  # fp32 accumulation in another order
+
+
+def test_a_compiled_caller_gets_the_launch_shape_and_a_graph_replays_it(cublas):
+    w = _weight(1024, 4096, seed=3)
+    x = torch.randn(64, 4096, device=DEV)
+    eager = fp8_linear(x, w)
+    compiled = torch.compile(lambda t: fp8_linear(t, w) * 2)(x)  # the op's fake: [M, N], no partials
+    torch.testing.assert_close(compiled, eager * 2, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
