@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 # request arriving meanwhile waits for it (110 ms on the flash8 server after a concurrency-64 sweep)
 IDLE_AUDIT_QUIET_S = 1.0
 IDLE_AUDIT_INTERVAL_S = 10.0
-# pending replaced-row tensors (``SglangV4Cache.retire``) before they are folded to their real rows
+# pending replaced-row tensors (``SglangV4Cache.retire``) before they start a free of their own
 MAX_PENDING_ORPHANS = 32
 Tensor = torch.Tensor
 
