@@ -21,6 +21,11 @@ the window and the compressed entries it attends to, the indexer keys it scores;
 device-to-device copy bandwidth measured in the same run) and step / roofline; prefill s: the
 context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops).
 
+``--switches default,hc_fused_pre,fp8_cublas``: each new path once per set of the opt-in GPU
+kernels (``+``-joined names; ``default``: all off), side by side in this process, the path column
+naming the set (``graphs+fp8_cublas``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSED_PRE``
+(``kernels.hc_split``), ``fp8_cublas`` = ``SGLANG_DSV4_FP8_GEMM=cublas`` (``kernels.fp8_cublas``).
+
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
 dequantised matrices above, ``fp8`` random checkpoint-format tensors loaded in the fp8 weight
 mode (fp8 block-128 matrices, fp4 experts converted to fp8; ``kernels.weight_mode``); the
@@ -169,6 +174,33 @@ def copy_bandwidth(device: str) -> float:
         dst.copy_(src)
     torch.cuda.synchronize()
     return 2 * 10 * src.numel() / (time.perf_counter() - t)
+
+
+# ---- the opt-in GPU kernels, switched per path ---------------------------------------------------
+
+def _switch_modules() -> dict[str, tuple[object, str]]:
+    from sglang_dsv4.kernels import fp8_cublas, hc_split
+
+    return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED")}
+
+
+SWITCHES = ("hc_fused_pre", "fp8_cublas")
+
+
+def switched(variant: str | None, make):
+    """``make()`` (a path) with the opt-in kernels of ``variant`` on and the others off (None: as
+    the environment set them), its name suffixed with the variant. The switches are read per call
+    (the fused hyper-connection mixes) or guarded by Dynamo (the cuBLAS GEMM), so a path runs what
+    was switched on while it was made; each path builds its own model and graphs."""
+    if variant is None:
+        return make()
+    on = set() if variant == "default" else set(variant.split("+"))
+    for name, (mod, attr) in _switch_modules().items():
+        setattr(mod, attr, name in on)
+    path = make()
+    if variant != "default":
+        path.name += "+" + variant
+    return path
 
 
 # ---- driving the two code paths ----------------------------------------------------------------
@@ -343,8 +375,15 @@ def main(argv: list[str] | None = None) -> int:
                          "whenever --old-root is given")
     ap.add_argument("--weights", default="bf16",
                     help="weight modes, side by side: bf16 (dequantised) and/or fp8 (fp8 block-128, experts converted)")
+    ap.add_argument("--switches", default="",
+                    help="sets of opt-in GPU kernels to run each new path with, side by side: default (all off), "
+                         f"or +-joined names of {', '.join(SWITCHES)} (default: as the environment sets them)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    variants = args.switches.split(",") if args.switches else [None]
+    for v in variants:
+        if v not in (None, "default") and not set(v.split("+")) <= set(SWITCHES):
+            ap.error(f"--switches: unknown {v!r} (known: default, {', '.join(SWITCHES)})")
     known = ("batched", "graphs", "batched-det", "graphs-det")
     new_paths = args.paths.split(",")
     if not set(new_paths) <= set(known):
@@ -381,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                 if old is not None and batch <= args.old_max_batch and mode == "bf16":
                     paths.append(lambda: OldPath(old, cfg, w, batch, ctx, 2 * args.steps, device))
                 for p in new_paths:
-                    paths.append(lambda p=p: NewPath(cfg, w, batch, ctx, 2 * args.steps, device,
-                                                     graphs=p.startswith("graphs"), deterministic=p.endswith("-det")))
+                    for v in variants:
+                        paths.append(lambda p=p, v=v: switched(v, lambda: NewPath(
+                            cfg, w, batch, ctx, 2 * args.steps, device, graphs=p.startswith("graphs"),
+                            deterministic=p.endswith("-det"))))
                 for make in paths:
                     path = make()
                     torch.cuda.synchronize()

@@ -207,7 +207,7 @@ def _runs_kernel(device: torch.device) -> bool:
 @torch.compiler.disable  # eager callers; a compiled one reaches the launch through fp8_gemm_op (below)
 def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, rows: Tensor | None = None,
              block_expert: Tensor | None = None, block_m: int | None = None, m: int | None = None,
-             sum_splits: bool = True) -> Tensor:
+             sum_splits: bool = True, cublas: bool | None = None) -> Tensor:
     """[M, N] = (dequantised rows of A) @ dequant(w)^T in fp32, stored as ``out_dtype``.
 
     a_q [Ma, Kp] e4m3 and a_s [Ma, Kp/128] from ``quantize_act``; w [N, K] (or [E, N, K] with
@@ -216,6 +216,8 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     The Triton kernel on CUDA, ``fp8_gemm_reference`` elsewhere (the same result).
     ``sum_splits=False``: where K is split (``split_k``), the fp32 partial products [S, M, N]
     instead, for a compiled caller to add (``add_splits``) inside its own next kernel.
+    ``cublas``: whether a dense GEMM goes to cuBLAS (``fp8_cublas``); None decides now
+    (``fp8_cublas.planned``), a compiled caller passes what it decided when it was traced.
     """
     if not _runs_kernel(a_q.device):
         return fp8_gemm_reference(a_q, a_s, w, out_dtype, rows, block_expert, block_m, m)
@@ -226,7 +228,9 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
     if grouped and block_m is None:
         raise ValueError("fp8_gemm: a grouped GEMM needs the block_m its block_expert table was built for")
-    if not grouped and rows is None and fp8_cublas.planned(M, N, K, a_q.device):
+    if cublas is None:
+        cublas = not grouped and rows is None and fp8_cublas.planned(M, N, K, a_q.device)
+    if cublas:
         return fp8_cublas.block_scaled_mm(a_q[:M], a_s[:M], w.q, w.scale, out_dtype)
     c = torch.empty(M, N, dtype=out_dtype, device=a_q.device)
     if M == 0:
@@ -257,20 +261,19 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
 @torch.library.custom_op("sglang_dsv4::fp8_gemm", mutates_args=())
 def fp8_gemm_op(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype,
                 rows: Tensor | None = None, block_expert: Tensor | None = None, block_m: int | None = None,
-                m: int | None = None, sum_splits: bool = True) -> Tensor:
+                m: int | None = None, sum_splits: bool = True, cublas: bool = False) -> Tensor:
     """``fp8_gemm`` with the weight as its two tensors (``Fp8Weight(wq, ws)``), as a torch op."""
-    return fp8_gemm(a_q, a_s, Fp8Weight(wq, ws), out_dtype, rows, block_expert, block_m, m, sum_splits)
+    return fp8_gemm(a_q, a_s, Fp8Weight(wq, ws), out_dtype, rows, block_expert, block_m, m, sum_splits, cublas)
 
 
 @fp8_gemm_op.register_fake
 def _fp8_gemm_shape(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype,
                     rows: Tensor | None = None, block_expert: Tensor | None = None, block_m: int | None = None,
-                    m: int | None = None, sum_splits: bool = True) -> Tensor:
+                    m: int | None = None, sum_splits: bool = True, cublas: bool = False) -> Tensor:
     """What ``fp8_gemm`` returns, from shapes: [M, N] in ``out_dtype``, or the fp32 partials
-    [S, M, N] where the kernel splits K and ``sum_splits`` is False."""
+    [S, M, N] where the kernel splits K and ``sum_splits`` is False (not with ``cublas``)."""
     N, K = wq.shape[-2:]
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
-    cublas = block_expert is None and rows is None and fp8_cublas.planned(M, N, K, a_q.device)
     if M and _runs_kernel(a_q.device) and not sum_splits and not cublas:
         splits = _plan(M, N, K, block_m, block_expert is not None, a_q.device)[2]
         if splits > 1:
@@ -324,7 +327,9 @@ def fp8_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     if not torch.compiler.is_compiling():
         return fp8_gemm(q, s, w, x.dtype)
     if isinstance(x.shape[0], int):  # the op's output shape follows the launch's split
-        out = fp8_gemm_op(q, s, w.q, w.scale, x.dtype, sum_splits=False)
+        # decided here, while tracing: Dynamo guards on the switch, and the op does what its fake said
+        cublas = fp8_cublas.planned(x.shape[0], w.q.shape[0], w.q.shape[1], x.device)
+        out = fp8_gemm_op(q, s, w.q, w.scale, x.dtype, sum_splits=False, cublas=cublas)
     else:  # symbolic rows (the generic mode): the launch decides, behind a graph break
         out = fp8_gemm(q, s, w, x.dtype, sum_splits=False)
     return out if out.dim() == 2 else add_splits(out, x.dtype)

@@ -43,10 +43,9 @@ def cublas(monkeypatch):
 def test_cublas_equals_the_triton_kernel_to_rounding(cublas, m, n, k):
     w = _weight(n, k, seed=n + k)
     xq, xs = quantize_act(torch.randn(m, k, device=DEV))
-    got = fp8_gemm(xq, xs, w, torch.float32)
-    fp8_cublas._checked[DEV.index or 0] = False  # the Triton kernel, for the reference
-    want = fp8_gemm(xq, xs, w, torch.float32)
-    fp8_cublas._checked[DEV.index or 0] = True
+    assert fp8_cublas.planned(m, n, k, DEV)
+    got = fp8_gemm(xq, xs, w, torch.float32)  # decided by the switch: cuBLAS
+    want = fp8_gemm(xq, xs, w, torch.float32, cublas=False)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < 1e-4, err  # fp32 accumulation in another order
 
@@ -55,8 +54,13 @@ def test_a_compiled_caller_gets_the_launch_shape_and_a_graph_replays_it(cublas):
     w = _weight(1024, 4096, seed=3)
     x = torch.randn(64, 4096, device=DEV)
     eager = fp8_linear(x, w)
-    compiled = torch.compile(lambda t: fp8_linear(t, w) * 2)(x)  # the op's fake: [M, N], no partials
-    torch.testing.assert_close(compiled, eager * 2, rtol=0, atol=0)
+    compiled = torch.compile(lambda t: fp8_linear(t, w) * 2)
+    torch.testing.assert_close(compiled(x), eager * 2, rtol=0, atol=0)  # the op's fake: [M, N], no partials
+    fp8_cublas.REQUESTED = False  # Dynamo guards on the switch: traced again, the Triton kernel's split-K
+    try:
+        torch.testing.assert_close(compiled(x), fp8_linear(x, w) * 2, rtol=0, atol=0)
+    finally:
+        fp8_cublas.REQUESTED = True
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fp8_linear(x, w)

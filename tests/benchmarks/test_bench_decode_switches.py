@@ -1,0 +1,34 @@
+"""``bench_decode --switches``: each path is made with exactly its set of opt-in GPU kernels on,
+and named after it (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import bench_decode
+from sglang_dsv4.kernels import fp8_cublas, hc_split
+
+
+def test_a_path_is_made_with_its_switches_and_named_after_them(monkeypatch):
+    monkeypatch.setattr(hc_split, "FUSED_PRE", False)
+    monkeypatch.setattr(fp8_cublas, "REQUESTED", True)  # as an environment might set it
+    seen = []
+
+    def make():
+        seen.append((hc_split.FUSED_PRE, fp8_cublas.REQUESTED))
+        return SimpleNamespace(name="graphs")
+
+    assert bench_decode.switched("hc_fused_pre", make).name == "graphs+hc_fused_pre"
+    assert bench_decode.switched("default", make).name == "graphs"
+    assert bench_decode.switched("hc_fused_pre+fp8_cublas", make).name == "graphs+hc_fused_pre+fp8_cublas"
+    assert seen == [(True, False), (False, False), (True, True)]
+    assert bench_decode.switched(None, make).name == "graphs" and seen[-1] == (True, True)  # left as set
+
+
+def test_unknown_switches_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_decode.main(["--switches", "default,fp9_magic"])
+    assert e.value.code == 2
+    assert "fp9_magic" in capsys.readouterr().err
