@@ -286,20 +286,6 @@ class SglangV4Cache:
         self.stats["host_read_ms"] += (time.perf_counter() - t0) * 1e3
         return out
 
-    def _host_rows(self, pending: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
-        """(ratio, device rows, -1 for none) pairs -> per ratio the real rows on the host, in one
-        copy (``_to_host``: a host sync on a GPU, which only a cache flush makes now)."""
-        if not pending:
-            return {}
-        host = self._to_host(torch.cat([rows.long() for _, rows in pending]))
-        out: dict[int, list[Tensor]] = {}
-        off = 0
-        for r, rows in pending:
-            part = host[off:off + rows.numel()]
-            out.setdefault(r, []).append(part[part >= 0])
-            off += rows.numel()
-        return {r: torch.cat(p) for r, p in out.items()}
-
     # ---- binding SGLang's rows to request state ---------------------------------------------
     def bind(self, row: int, generation: int, prefix_len: int) -> RequestState:
         """The request state of ``row`` about to process tokens from ``prefix_len`` on.
@@ -476,8 +462,7 @@ class SglangV4Cache:
         self._orphans.extend(replaced.items())
         if len(self._orphans) > MAX_PENDING_ORPHANS:
             orphans, self._orphans = self._orphans, []
-            self._pending.append(_PendingFree(*self._start_copy([rows.long() for _, rows in orphans]),
-                                              counts=[(r, rows.numel()) for r, rows in orphans]))
+            self._start_free(orphans)
 
     # ---- snapshots -----------------------------------------------------------------------
     def take_snapshot(self, req: RequestState) -> None:
@@ -608,11 +593,14 @@ class SglangV4Cache:
         for r in RATIOS:  # index_fill_: ``t[idx] = -1`` would copy the -1 to the device, a host sync
             self.entry_of_slot[r].index_fill_(0, dev_slots, -1)
         # the slots too where a snapshot may sit on one once the frees before it are collected
-        carry = bool(self.snapshots or self._pending)
-        parts = [rows.long() for _, rows in freed] + ([dev_slots] if carry else [])
-        counts = [(r, rows.numel()) for r, rows in freed]
-        self._pending.append(_PendingFree(*self._start_copy(parts), counts=counts,
-                                          num_slots=dev_slots.numel() if carry else 0))
+        self._start_free(freed, dev_slots if self.snapshots or self._pending else None)
+
+    def _start_free(self, freed: list[tuple[int, Tensor]], slots: Tensor | None = None) -> None:
+        """Queue a free of (ratio, device entry rows, -1 for none) pairs and, with ``slots``, of
+        the snapshots on those slots: one copy to the host without a sync (``_PendingFree``)."""
+        parts = [rows.long() for _, rows in freed] + ([slots.long()] if slots is not None else [])
+        self._pending.append(_PendingFree(*self._start_copy(parts), counts=[(r, rows.numel()) for r, rows in freed],
+                                          num_slots=slots.numel() if slots is not None else 0))
 
     def _start_copy(self, parts: list[Tensor], stack: bool = False
                     ) -> tuple[Tensor, Tensor | None, "torch.cuda.Event | None"]:
@@ -671,11 +659,13 @@ class SglangV4Cache:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
     def _free_rows(self, freed: list[tuple[int, Tensor]]) -> None:
-        """Return (ratio, device rows) and the pending orphans to the host pools: one copy."""
+        """Return (ratio, device rows, -1 for none) and the pending orphans to the host pools now:
+        one copy (``_to_host``: a host sync on a GPU, which only a cache flush makes)."""
         freed = freed + self._orphans
         self._orphans = []
-        for r, host in self._host_rows(freed).items():
-            self.pools[r].free(host)
+        host = self._to_host(torch.cat([rows.long() for _, rows in freed]))
+        for r, rows in _PendingFree(host, None, None, counts=[(r, t.numel()) for r, t in freed]).rows():
+            self.pools[r].free(rows)
 
     # ---- accounting ----------------------------------------------------------------------
     def clear_token_state(self) -> None:
