@@ -14,8 +14,12 @@ Paths: ``before`` (the old package), ``batched`` (this tree, eager), ``graphs`` 
 replayed from CUDA graphs, ``V4Model.enable_cuda_graphs``), and ``batched-det`` / ``graphs-det``
 (the same in the deterministic mode, ``V4Model(deterministic=True)``: its cost). Columns: step ms (median over ``--steps`` after warm-up, the GPU drained around each step), tok/s
 (B / step), pipelined ms (steps issued back to back: host work overlaps the GPU), kernel launches and
-host syncs per step (inside the steps; a graph replay counts no launch) and GPU busy % (torch
-profiler over 3 steps: CUDA kernel time / wall time),
+host syncs per step (inside the steps; a graph replay counts no launch), GPU busy % (the GPU's
+kernel time per step, the union of its kernels' intervals in the torch profiler over 3 back-to-back
+steps, over the pipelined step time measured without the profiler: the share of a pipelined step
+the GPU computes) and GPU busy % under the profiler (the same kernel time over the profiled
+steps' own wall time, the figure of sessions 1-27: the profiler's host cost per op and the first
+step's host work, when the GPU waits, count against it),
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
 device-to-device copy bandwidth measured in the same run) and step / roofline; prefill s: the
@@ -41,6 +45,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -291,19 +296,45 @@ def compile_summary() -> str:
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")  # runtime / driver
 
 
-def profile_step(path, n: int = 3) -> tuple[float, float, float]:
-    """(kernel launches, host syncs, GPU busy %) per step, from the torch profiler. Launches and
-    syncs are counted inside the steps only (each step a ``record_function`` range), so the
-    profiler's and the harness's own synchronisations do not count."""
+def _drain() -> None:
+    """Wait for the GPU where there is one (``profile_step`` also runs on a CPU path's steps)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Per step, from the torch profiler over ``n`` back-to-back steps."""
+
+    launches: float   # kernel launch calls inside the steps (a graph replay: none)
+    syncs: float      # host syncs inside the steps
+    kernel_ms: float  # the union of the GPU's kernel intervals, per step
+    wall_ms: float    # the profiled steps' wall time, per step (the profiler's host cost included)
+
+    @property
+    def busy_profiled(self) -> float:
+        """GPU busy % over the profiled wall time (sessions 1-27's column)."""
+        return 100 * self.kernel_ms / self.wall_ms
+
+    def busy_of(self, step_ms: float) -> float:
+        """GPU busy % of a step of ``step_ms`` (measured without the profiler)."""
+        return 100 * self.kernel_ms / step_ms
+
+
+def profile_step(path, n: int = 3) -> StepProfile:
+    """Kernel launches, host syncs, GPU kernel time and wall time per step, from the torch
+    profiler. Launches and syncs are counted inside the steps only (each step a
+    ``record_function`` range), so the profiler's and the harness's own synchronisations do not
+    count."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    torch.cuda.synchronize()
+    _drain()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(n):
             with record_function("bench_step"):
                 path.step()
-        torch.cuda.synchronize()
+        _drain()
         wall = time.perf_counter() - t
     events = prof.events()
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "bench_step"]
@@ -330,7 +361,7 @@ def profile_step(path, n: int = 3) -> tuple[float, float, float]:
         if b > reach:
             busy += b - max(a, reach)
             reach = b
-    return launches / n, syncs / n, 100 * busy / 1e6 / wall
+    return StepProfile(launches / n, syncs / n, busy / 1e3 / n, 1e3 * wall / n)
 
 
 def time_steps(path, steps: int) -> float:
@@ -399,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(device)
     rows = []
     header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
-              "| GPU busy % | roofline ms | step / roofline | vs before | prefill s |")
+              "| GPU busy % | busy % profiled | roofline ms | step / roofline | vs before | prefill s |")
     import sglang_dsv4  # which tree this process measures (a "before" run must not be this one)
     print(f"package {Path(sglang_dsv4.__file__).parent}", flush=True)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()}); {kernel_note()}", flush=True)
-    print(header + "\n" + "|---" * 15 + "|", flush=True)
+    print(header + "\n" + "|---" * 16 + "|", flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]
         cfg = make_config(cname, max(contexts) + args.steps + 64)
@@ -433,12 +464,13 @@ def main(argv: list[str] | None = None) -> int:
                     prefill_s = time.perf_counter() - t_pre  # the first path of a config includes compilation
                     ms = time_steps(path, args.steps) * 1e3
                     piped = time_pipelined(path, args.steps) * 1e3
-                    launches, syncs, busy = profile_step(path)
+                    prof = profile_step(path)
                     ratio = "" if before is None else f"{before / ms:.1f}x"
                     if path.name == "before":
                         before = ms
                     line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
-                            f"{piped:.2f} | {launches:.0f} | {syncs:.1f} | {busy:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | "
+                            f"{piped:.2f} | {prof.launches:.0f} | {prof.syncs:.1f} | {prof.busy_of(piped):.0f} | "
+                            f"{prof.busy_profiled:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | "
                             f"{ratio} | {prefill_s:.2f} |")
                     rows.append(line)
                     print(line, flush=True)
@@ -449,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_summary()
     print(compiled, flush=True)
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 15 + "|\n" + "\n".join(rows)
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 16 + "|\n" + "\n".join(rows)
                             + f"\n\n{compiled}\n")
     return 0
 

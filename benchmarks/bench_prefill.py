@@ -186,9 +186,9 @@ def run_config(name: str, weights: str, lengths: list[int], new: int, chunk: int
                 compiled = counters["stats"]["unique_graphs"] - compiled
                 stats = "| - | - | - |"
                 if profile:
-                    launches, syncs, busy = profile_step(case, n=1)
+                    prof = profile_step(case, n=1)
                     case.release()
-                    stats = f"| {launches:.0f} | {syncs:.1f} | {busy:.0f} |"
+                    stats = f"| {prof.launches:.0f} | {prof.syncs:.1f} | {prof.busy_profiled:.0f} |"
                 tokens = length if kind == "cold" else new
                 label = (pool if pool == "loop" or device != "cpu" else "kernel (the loop: CPU)") + (
                     " + extend graphs" if graphed == "on" else "")
