@@ -26,6 +26,7 @@ import torch
 
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch
+from ..kernels import fp8_moe
 from ..kernels.fp8_linear import Fp8Weight, prepare as prepare_fp8
 from ..kernels.kv_layout import RowLayout
 from . import ops
@@ -165,13 +166,18 @@ class V4Model:
 
     def _stack_experts(self) -> None:
         """Stacked expert matrices for the GPU's grouped GEMM (bf16: ``torch._grouped_mm``; fp8:
-        ``kernels.fp8_moe``); per-expert entries become views."""
-        experts = self.parallel.local_experts(self.cfg) if self.parallel else range(self.cfg.n_routed_experts)
+        ``kernels.fp8_moe``); per-expert entries become views. With ``fp8_moe.FOLD_SHARED`` the
+        fp8 stacks take the shared expert too, where every expert is held here and the MoE is
+        ``ops.moe`` (one process, or tensor parallelism alone)."""
+        par = self.parallel
+        experts = par.local_experts(self.cfg) if par else range(self.cfg.n_routed_experts)
+        fold = fp8_moe.FOLD_SHARED and (par is None or (par.ep_size == 1 and par.dp is None))
         views = [(f"layers.{i}", lw) for i, lw in enumerate(self.layers)] + [(f"mtp.{m}", lw) for m, lw in enumerate(self.mtp)]
         for prefix, lw in views:
             if f"ffn.experts.{experts.start}.w1.weight" in lw:
-                ops.stack_experts(lw, experts)
-                self.w.update({f"{prefix}.{k}": v for k, v in lw.items() if k.startswith("ffn.experts.")})
+                ops.stack_experts(lw, experts, fold_shared=fold)
+                self.w.update({f"{prefix}.{k}": v for k, v in lw.items()
+                               if k.startswith(("ffn.experts.", ops.SHARED_EXPERT + "."))})
 
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()

@@ -553,7 +553,13 @@ def _stable_topk(x: Tensor, k: int) -> Tensor:
 # ---- MoE (§6) ------------------------------------------------------------------------------
 
 def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool) -> Tensor:
-    """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert."""
+    """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert. Where the shared expert
+    is folded into the layer's fp8 expert stack (``stack_experts(fold_shared=True)``), one grouped
+    pass computes both: each token routes one more slot, gate 1, to it."""
+    stack = w.get(FP8_EXPERTS)
+    if stack is not None and stack.shared:
+        chosen, gates = _route(x, token_ids, w, cfg, hash_routed, shared_slot=cfg.n_routed_experts)
+        return fp8_grouped_experts(x, chosen, gates, stack, 0, cfg.swiglu_limit)
     out = routed_experts(x, token_ids, w, cfg, hash_routed)
     return shared_expert(x, w, cfg, plus=out) if cfg.n_shared_experts else out
 
@@ -565,25 +571,36 @@ def routed_experts(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Co
     ``experts`` (default: all) limits the sum to the experts held here; routing is decided over
     all experts, so the sums of disjoint ranges add up to the full one (expert parallelism).
     """
-    if hash_routed:
-        chosen, gates = route_tokens(x, w["ffn.gate.weight"], w["ffn.gate.tid2eid"][token_ids], cfg)
-    else:
-        chosen, gates = route_tokens(x, w["ffn.gate.weight"], w["ffn.gate.bias"], cfg)
+    chosen, gates = _route(x, token_ids, w, cfg, hash_routed)
     local = experts if experts is not None else range(cfg.n_routed_experts)
     return grouped_experts(x, chosen, gates, w, cfg, local)
 
 
+def _route(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool,
+           shared_slot: int | None = None) -> tuple[Tensor, Tensor]:
+    """``route_tokens`` with the layer's bias, or its token -> experts table (hash-routed)."""
+    bias_or_chosen = w["ffn.gate.tid2eid"][token_ids] if hash_routed else w["ffn.gate.bias"]
+    return route_tokens(x, w["ffn.gate.weight"], bias_or_chosen, cfg, shared_slot)
+
+
 @on_gpu(rows={"x": (0,), "bias_or_chosen": (-2,)})
-def route_tokens(x: Tensor, gate: Tensor, bias_or_chosen: Tensor, cfg: V4Config) -> tuple[Tensor, Tensor]:
+def route_tokens(x: Tensor, gate: Tensor, bias_or_chosen: Tensor, cfg: V4Config,
+                 shared_slot: int | None = None) -> tuple[Tensor, Tensor]:
     """-> (chosen experts [T, k], gate weights [T, k]): sqrt-softplus scores; top-k of scores +
-    bias, or (hash-routed layers: an integer ``bias_or_chosen``) the token's fixed experts."""
+    bias, or (hash-routed layers: an integer ``bias_or_chosen``) the token's fixed experts.
+    ``shared_slot``: a last column (k + 1) routing every token to that expert index with gate 1
+    (the shared expert folded into the expert stack)."""
     scores = torch.sqrt(F.softplus(linear(x, gate)))
     if bias_or_chosen.is_floating_point():
         chosen = torch.topk(scores + bias_or_chosen, cfg.num_experts_per_tok, dim=-1).indices
     else:
         chosen = bias_or_chosen.long()
     gates = scores.gather(1, chosen)
-    return chosen, gates / gates.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+    gates = gates / gates.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+    if shared_slot is not None:
+        chosen = torch.cat((chosen, torch.full_like(chosen[:, :1], shared_slot)), 1)
+        gates = torch.cat((gates, torch.ones_like(gates[:, :1])), 1)
+    return chosen, gates
 
 
 def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tensor], cfg: V4Config,
@@ -610,16 +627,28 @@ FP8_EXPERTS = "ffn.experts.fp8"  # kernels.fp8_moe.Fp8Experts: the stacked fp8 e
 GROUP_ALIGN = 16  # rows per expert group are padded to this for the grouped GEMM
 
 
-def stack_experts(w: dict[str, Tensor], experts: range) -> None:
+SHARED_EXPERT = "ffn.shared_experts"
+
+
+def stack_experts(w: dict[str, Tensor], experts: range, fold_shared: bool = False) -> None:
     """Give a layer's weights the stacked expert matrices the grouped GEMM reads, and make the
     per-expert entries views of them (no second copy). fp8 experts (``Fp8Weight``) stack into
-    one ``Fp8Experts`` entry (``FP8_EXPERTS``)."""
+    one ``Fp8Experts`` entry (``FP8_EXPERTS``); with ``fold_shared`` (fp8 only; the caller's
+    experts are all of them, one process or tensor parallelism: ``moe`` then routes every token
+    to it) the layer's shared expert joins the stack last and its entries become views too."""
     if isinstance(w[f"ffn.experts.{experts.start}.w1.weight"], Fp8Weight):
         names = [[f"ffn.experts.{e}.{m}.weight" for e in experts] for m in ("w1", "w3", "w2")]
-        stack, views = stack_fp8_experts(*[[w.pop(n) for n in ns] for ns in names])
+        shared_names = [f"{SHARED_EXPERT}.{m}.weight" for m in ("w1", "w3", "w2")]
+        shared = None
+        if fold_shared and all(n in w for n in shared_names):
+            shared = tuple(w[n] for n in shared_names)
+        stack, views = stack_fp8_experts(*[[w.pop(n) for n in ns] for ns in names], shared=shared)
         for i, e in enumerate(experts):
             for m, view in zip(("w1", "w3", "w2"), views[i]):
                 w[f"ffn.experts.{e}.{m}.weight"] = view
+        if shared is not None:
+            for n, view in zip(shared_names, views[-1]):
+                w[n] = view
         w[FP8_EXPERTS] = stack
         return
     w13 = torch.stack([torch.cat((w[f"ffn.experts.{e}.w1.weight"], w[f"ffn.experts.{e}.w3.weight"]))

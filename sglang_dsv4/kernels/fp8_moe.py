@@ -22,11 +22,19 @@ paths share one kernel.
 
 Shapes depend only on (T, k, local experts): no host sync, CUDA-graph capturable. Pairs routed
 to experts another rank holds (expert parallelism) are dropped; their output is zero.
+
+The shared expert can join the stack as its last member (``stack_fp8_experts(shared=...)``,
+opt-in ``SGLANG_DSV4_FOLD_SHARED=1``): every token then routes one more slot to it with gate 1
+(``core.ops.moe``), and the same two grouped GEMMs compute it beside the routed experts, instead
+of three dense GEMMs and two fused regions of its own (about 5 launches a layer). Its SwiGLU is
+the routed experts' (V4 clamps both alike) and a gate of 1 changes no bit; the output is the k
+routed slots and then the shared one, summed.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +48,21 @@ from .fp8_linear import Fp8Weight, add_splits, fp8_gemm, quantize_act
 
 Tensor = torch.Tensor
 
+# Whether a single-process model folds each layer's shared expert into its expert stack (module
+# docstring); read when the model stacks its experts (``V4Model``), opt-in until timed on the GPU.
+FOLD_SHARED = os.environ.get("SGLANG_DSV4_FOLD_SHARED", "0") == "1"
+
 
 @dataclass(frozen=True)
 class Fp8Experts:
     """A layer's local routed experts stacked for the grouped GEMM: ``w13`` [E, 2 Ip, D] (w1 rows
-    0..I-1, w3 rows Ip..Ip+I-1, Ip = I rounded up to 128, zero rows between) and ``w2`` [E, D, I]."""
+    0..I-1, w3 rows Ip..Ip+I-1, Ip = I rounded up to 128, zero rows between) and ``w2`` [E, D, I].
+    ``shared``: the last of the E is the layer's shared expert (the others are routed)."""
 
     w13: Fp8Weight
     w2: Fp8Weight
     inter: int
+    shared: bool = False
 
     @property
     def inter_padded(self) -> int:
@@ -63,9 +77,17 @@ class Fp8Experts:
         return self.w13.nbytes + self.w2.nbytes
 
 
-def stack_fp8_experts(w1: list[Fp8Weight], w3: list[Fp8Weight], w2: list[Fp8Weight]
+def stack_fp8_experts(w1: list[Fp8Weight], w3: list[Fp8Weight], w2: list[Fp8Weight],
+                      shared: tuple[Fp8Weight, Fp8Weight, Fp8Weight] | None = None
                       ) -> tuple[Fp8Experts, list[tuple[Fp8Weight, Fp8Weight, Fp8Weight]]]:
-    """Stack per-expert fp8 matrices -> (the stack, per expert (w1, w3, w2) views of it)."""
+    """Stack per-expert fp8 matrices -> (the stack, per expert (w1, w3, w2) views of it).
+    ``shared``: the shared expert's (w1, w3, w2), stacked last (its views come last too); its
+    matrices must have the routed experts' shapes."""
+    if shared is not None:
+        if any(s.q.shape != r[0].q.shape for s, r in zip(shared, (w1, w3, w2))):
+            raise ValueError(f"the shared expert's matrices {[tuple(s.q.shape) for s in shared]} do not have the "
+                             f"routed experts' shapes {[tuple(r[0].q.shape) for r in (w1, w3, w2)]}: not stacked")
+        w1, w3, w2 = w1 + [shared[0]], w3 + [shared[1]], w2 + [shared[2]]
     inter, dim = w1[0].q.shape
     ip = math.ceil(inter / FP8_WEIGHT_BLOCK) * FP8_WEIGHT_BLOCK
     E, dev = len(w1), w1[0].device
@@ -75,7 +97,8 @@ def stack_fp8_experts(w1: list[Fp8Weight], w3: list[Fp8Weight], w2: list[Fp8Weig
         q13[i, :inter] = a.q
         q13[i, ip:ip + inter] = b.q
     stack = Fp8Experts(Fp8Weight(q13, s13.contiguous()),
-                       Fp8Weight(torch.stack([w.q for w in w2]), torch.stack([w.scale for w in w2])), inter)
+                       Fp8Weight(torch.stack([w.q for w in w2]), torch.stack([w.scale for w in w2])), inter,
+                       shared=shared is not None)
     nb = ip // FP8_WEIGHT_BLOCK
     views = [(Fp8Weight(stack.w13.q[i, :inter], stack.w13.scale[i, :nb]),
               Fp8Weight(stack.w13.q[i, ip:ip + inter], stack.w13.scale[i, nb:]),
@@ -158,4 +181,4 @@ def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int, dtype: torch.dtype) ->
     return pairs.view(-1, k, out.shape[1]).sum(1)
 
 
-__all__ = ["Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows", "grouped_rows"]
+__all__ = ["FOLD_SHARED", "Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows", "grouped_rows"]

@@ -8,23 +8,25 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import bench_decode
-from sglang_dsv4.kernels import fp8_cublas, hc_split
+from sglang_dsv4.kernels import fp8_cublas, fp8_moe, hc_split
 
 
 def test_a_path_is_made_with_its_switches_and_named_after_them(monkeypatch):
     monkeypatch.setattr(hc_split, "FUSED_PRE", False)
     monkeypatch.setattr(fp8_cublas, "REQUESTED", True)  # as an environment might set it
+    monkeypatch.setattr(fp8_moe, "FOLD_SHARED", False)
     seen = []
 
     def make():
-        seen.append((hc_split.FUSED_PRE, fp8_cublas.REQUESTED))
+        seen.append((hc_split.FUSED_PRE, fp8_cublas.REQUESTED, fp8_moe.FOLD_SHARED))
         return SimpleNamespace(name="graphs")
 
     assert bench_decode.switched("hc_fused_pre", make).name == "graphs+hc_fused_pre"
     assert bench_decode.switched("default", make).name == "graphs"
     assert bench_decode.switched("hc_fused_pre+fp8_cublas", make).name == "graphs+hc_fused_pre+fp8_cublas"
-    assert seen == [(True, False), (False, False), (True, True)]
-    assert bench_decode.switched(None, make).name == "graphs" and seen[-1] == (True, True)  # left as set
+    assert bench_decode.switched("fold_shared", make).name == "graphs+fold_shared"
+    assert seen == [(True, False, False), (False, False, False), (True, True, False), (False, False, True)]
+    assert bench_decode.switched(None, make).name == "graphs" and seen[-1] == (False, False, True)  # left as set
 
 
 def test_unknown_switches_are_refused_by_name(capsys):

@@ -38,7 +38,7 @@ from sglang_dsv4.checkpoint.loader import keeps_fp8, logical_from_stored
 from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
 from sglang_dsv4.checkpoint.writer import random_stored
 from sglang_dsv4.config import V4Config
-from sglang_dsv4.core import compiled
+from sglang_dsv4.core import compiled, ops
 from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.kernels import fp8_linear as fp8_linear_mod
 from sglang_dsv4.kernels import fp8_moe
@@ -182,6 +182,29 @@ def test_grouped_fp8_experts_match_the_reference_gemm(first, local, monkeypatch)
         assert err.median() < 1e-2 and err.max() < 5e-2, (err.median().item(), err.max().item())
 
 
+def test_a_folded_shared_expert_gives_the_unfolded_moe(tiny_path, monkeypatch):
+    """Each layer's MoE with the shared expert folded into the fp8 expert stack (one grouped pass,
+    k + 1 slots) against the routed grouped pass plus the dense shared expert, compiled regions
+    on. The same fp8 operands; the GEMMs tile and split K differently (fp32 summation order),
+    which can flip the e4m3 rounding of a few of GEMM 2's inputs (see the test above): ~1e-3 a
+    row at most, where a wrong row, gate or expert is of order 1."""
+    cfg, path = _source("tiny", tiny_path)
+    models = {}
+    for fold in (False, True):
+        monkeypatch.setattr(fp8_moe, "FOLD_SHARED", fold)
+        models[fold] = _load(cfg, "fp8", path)[0]
+    g = torch.Generator(device=DEV).manual_seed(4)
+    for layer in range(cfg.num_hidden_layers):
+        plain, folded = models[False].layers[layer], models[True].layers[layer]
+        assert folded[ops.FP8_EXPERTS].shared and not plain[ops.FP8_EXPERTS].shared
+        for T in (1, 16, 300):
+            x = torch.randn(T, cfg.hidden_size, generator=g, device=DEV)
+            ids = torch.randint(0, cfg.vocab_size, (T,), generator=g, device=DEV)
+            hashed = layer < cfg.num_hash_layers
+            err = _rel(ops.moe(x, ids, folded, cfg, hashed), ops.moe(x, ids, plain, cfg, hashed))
+            assert err.median() < 1e-3 and err.max() < 5e-2, (layer, T, err.median().item(), err.max().item())
+
+
 # ---- bytes on the GPU ---------------------------------------------------------------------------
 
 def _flash4() -> V4Config:
@@ -290,7 +313,10 @@ def test_logits_against_the_bf16_path(which, tiny_path, serving_rows):
         assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
 
 
-def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows):
+@pytest.mark.parametrize("fold", [False, True])
+def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, monkeypatch):
+    """``fold``: the shared expert folded into the expert stacks (``fp8_moe.FOLD_SHARED``)."""
+    monkeypatch.setattr(fp8_moe, "FOLD_SHARED", fold)
     cfg, path = _source("tiny", tiny_path)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 120, 125, 126, 127, 250, 255)]

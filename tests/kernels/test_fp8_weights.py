@@ -259,6 +259,45 @@ def test_grouped_fp8_experts_equal_the_sorted_loop(experts):
     assert torch.equal(grouped[~held], torch.zeros_like(grouped[~held]))
 
 
+@pytest.mark.parametrize("layer", [0, 3])  # micro: layers 0-1 hash-routed, 2-3 routed by score
+def test_a_folded_shared_expert_gives_the_moe_of_the_unfolded_layer(micro_dir, layer):
+    """The shared expert stacked last with the routed experts (``stack_experts(fold_shared=True)``):
+    ``ops.moe`` routes each token one more slot to it, gate 1, through the grouped fp8 experts
+    (the reference GEMM here); the same MoE output as the routed loop plus the dense shared
+    expert, and the shared entries become views of the stack (no second copy)."""
+    ckpt = load_checkpoint(micro_dir, weight_mode="fp8")
+    cfg = ckpt.config
+    plain, folded = ops.layer_view(ckpt.tensors, f"layers.{layer}"), ops.layer_view(ckpt.tensors, f"layers.{layer}")
+    experts = range(cfg.n_routed_experts)
+    ops.stack_experts(plain, experts)
+    ops.stack_experts(folded, experts, fold_shared=True)
+    assert not plain[ops.FP8_EXPERTS].shared and folded[ops.FP8_EXPERTS].shared
+    assert folded[ops.FP8_EXPERTS].num_experts == cfg.n_routed_experts + 1
+    stack = folded[ops.FP8_EXPERTS]
+    for m in ("w1", "w2"):
+        view = folded[f"{ops.SHARED_EXPERT}.{m}.weight"]
+        assert torch.equal(view.dequantize(), plain[f"{ops.SHARED_EXPERT}.{m}.weight"].dequantize())
+        base = (stack.w13 if m == "w1" else stack.w2).q
+        assert view.q.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    g = torch.Generator().manual_seed(5)
+    T = 29
+    x = torch.randn(T, cfg.hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+    hashed = layer < cfg.num_hash_layers
+    want = ops.moe(x, ids, plain, cfg, hashed)   # the CPU: the sorted loop + the dense shared expert
+    got = ops.moe(x, ids, folded, cfg, hashed)   # one grouped pass, k + 1 slots
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < 1e-5, f"max rel err {err.max():.3g}"
+
+
+def test_only_a_shared_expert_of_the_routed_shapes_is_stacked():
+    cfg = _micro_cfg()
+    w1, w3, w2 = _fp8_experts(cfg, 3)
+    narrow = _fp8_experts(_micro_cfg(moe_intermediate_size=16), 1)
+    with pytest.raises(ValueError, match="shared expert"):
+        stack_fp8_experts(w1, w3, w2, shared=(narrow[0][0], narrow[1][0], narrow[2][0]))
+
+
 def test_micro_model_runs_in_fp8_mode(micro_dir):
     """The whole model over fp8 weights (CPU: the torch references): close to the dequantised
     model, as the activation quantisation allows."""
