@@ -30,7 +30,8 @@ kernels (``+``-joined names; ``default``: all off), side by side in this process
 naming the set (``graphs+fp8_cublas``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSED_PRE``
 (``kernels.hc_split``), ``fp8_cublas`` = ``SGLANG_DSV4_FP8_GEMM=cublas`` (``kernels.fp8_cublas``),
 ``fold_shared`` = ``SGLANG_DSV4_FOLD_SHARED=1`` (the shared expert in the fp8 expert stacks,
-``kernels.fp8_moe``; read when a path's model is built).
+``kernels.fp8_moe``; read when a path's model is built), ``kv_fused_write`` =
+``SGLANG_DSV4_KV_FUSED_WRITE=1`` (the KV rows quantised inside their store's launch, ``kernels.kv_store``).
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
 dequantised matrices above, ``fp8`` random checkpoint-format tensors loaded in the fp8 weight
@@ -186,13 +187,13 @@ def copy_bandwidth(device: str) -> float:
 # ---- the opt-in GPU kernels, switched per path ---------------------------------------------------
 
 def _switch_modules() -> dict[str, tuple[object, str]]:
-    from sglang_dsv4.kernels import fp8_cublas, fp8_moe, hc_split
+    from sglang_dsv4.kernels import fp8_cublas, fp8_moe, hc_split, kv_store
 
     return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
-            "fold_shared": (fp8_moe, "FOLD_SHARED")}
+            "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE")}
 
 
-SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared")
+SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write")
 
 
 def switched(variant: str | None, make):

@@ -231,8 +231,18 @@ class V4Fp8Rows(RowLayout):
         P, base = self.page_size, self.page_size * self.data_bytes
         return buf[..., base:base + P * self.scale_bytes].unflatten(-1, (P, self.scale_bytes))
 
+    def fused_write(self) -> bool:
+        """Whether ``write`` quantises inside its store's launch (``kv_store.FUSED_WRITE``): the
+        kernel's layout, FlashMLA's (a bf16 rope part, power-of-two widths)."""
+        return (kv_store.FUSED_WRITE and self.rope_dtype == torch.bfloat16 and self.rope & (self.rope - 1) == 0
+                and self.scale_bytes & (self.scale_bytes - 1) == 0)
+
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
         page, off = self.locate(rows)
+        if kv_store.supported(buf) and self.fused_write():  # the GPU: one launch
+            kv_store.quantise_store_v4(buf, page, off, x.reshape(-1, self.dim), self.nope, self.rope, self.page_size,
+                                       self.data_bytes, self.scale_bytes)
+            return
         if kv_store.supported(buf):  # the GPU: the quantiser's outputs stored by one launch
             q, rope, scales = _v4_fp8_quantise(x, self.nope, self.rope_dtype, self.scale_bytes)
             kv_store.store_row_bytes(buf, page, off, [
@@ -303,6 +313,9 @@ class IndexFp8Rows(RowLayout):
 
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
         page, off = self.locate(rows)
+        if kv_store.supported(buf) and kv_store.FUSED_WRITE and self.dim & (self.dim - 1) == 0:
+            kv_store.quantise_store_index(buf, page, off, x.reshape(-1, self.dim), self.dim, self.page_size)
+            return  # quantised in the store's launch
         data, scales = self.pack(x)
         if kv_store.supported(buf):  # the GPU: one launch
             kv_store.store_row_bytes(buf, page, off, [(data, 0, self.dim), (scales, self.page_size * self.dim, 4)])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dsv4.kernels import kv_layout
+from sglang_dsv4.kernels import kv_layout, kv_store
 from sglang_dsv4.quant import fp8_qat
 
 pytestmark = pytest.mark.gpu
@@ -67,10 +67,15 @@ def test_a_v4_row_written_and_read_on_the_gpu_is_fp8_qat():
     assert torch.equal(back[:, v4.nope:], x[:, v4.nope:].to(torch.bfloat16).float())
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("n", [1, 7, 300])
-def test_the_row_store_leaves_the_torch_stores_bytes(n):
+def test_the_row_store_leaves_the_torch_stores_bytes(n, fused, monkeypatch):
     """``kv_store``'s one-launch store (the GPU's ``write``) against the torch store of the same
-    packed rows, in a pool's pages and in a ring's strided slice of [slots, layers, page]."""
+    packed rows, in a pool's pages and in a ring's strided slice of [slots, layers, page];
+    ``fused``: quantised in that launch too (``SGLANG_DSV4_KV_FUSED_WRITE``), against the
+    compiled quantiser's bytes (the rows' exact powers of two put the scales' ceil(log2) on an
+    integer, where the bit arithmetic and torch's log2 must agree)."""
+    monkeypatch.setattr(kv_store, "FUSED_WRITE", fused)
     for layout, dim in ((kv_layout.V4Fp8Rows(64), 512), (kv_layout.IndexFp8Rows(64), 128)):
         x = _rows(max(n, 3), dim)[:n]
         for ring in (False, True):
