@@ -31,7 +31,10 @@ naming the set (``graphs+fp8_cublas``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSE
 (``kernels.hc_split``), ``fp8_cublas`` = ``SGLANG_DSV4_FP8_GEMM=cublas`` (``kernels.fp8_cublas``),
 ``fold_shared`` = ``SGLANG_DSV4_FOLD_SHARED=1`` (the shared expert in the fp8 expert stacks,
 ``kernels.fp8_moe``; read when a path's model is built), ``kv_fused_write`` =
-``SGLANG_DSV4_KV_FUSED_WRITE=1`` (the KV rows quantised inside their store's launch, ``kernels.kv_store``).
+``SGLANG_DSV4_KV_FUSED_WRITE=1`` (the KV rows quantised inside their store's launch, ``kernels.kv_store``),
+``branch_streams`` = ``SGLANG_DSV4_BRANCH_STREAMS=1`` (a layer's independent chains on side
+streams, ``core.branches``). The switches are read per call; a path's graphs keep what was on
+while they were captured.
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
 dequantised matrices above, ``fp8`` random checkpoint-format tensors loaded in the fp8 weight
@@ -187,13 +190,15 @@ def copy_bandwidth(device: str) -> float:
 # ---- the opt-in GPU kernels, switched per path ---------------------------------------------------
 
 def _switch_modules() -> dict[str, tuple[object, str]]:
+    from sglang_dsv4.core import branches
     from sglang_dsv4.kernels import fp8_cublas, fp8_moe, hc_split, kv_store
 
     return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
-            "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE")}
+            "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE"),
+            "branch_streams": (branches, "ENABLED")}
 
 
-SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write")
+SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "branch_streams")
 
 
 def switched(variant: str | None, make):

@@ -30,6 +30,7 @@ from ..kernels import fp8_moe
 from ..kernels.fp8_linear import Fp8Weight, prepare as prepare_fp8
 from ..kernels.kv_layout import RowLayout
 from . import ops
+from .branches import Branches
 from .cache import RequestState
 from .compiled import on_gpu
 from .slot_state import C4_STATE_ROWS
@@ -126,6 +127,7 @@ class V4Model:
         if (self.weight_mode == "fp8" and self.device.type == "cuda") or ops.grouped_mm_available(
                 self.device, weights["embed.weight"].dtype):
             self._stack_experts()
+        self.branches = Branches(self.device)  # a layer's independent chains (side streams where on)
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() is called
         self.extend_graphs = None  # ExtendGraphs once enable_cuda_graphs(extend=True) is called
 
@@ -363,38 +365,57 @@ class V4Model:
         x, post, comb = ops.hc_pre(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg,
                                    norm=w["ffn_norm.weight"])
         par = self.parallel
+        if par is None and self.branches.on and ops.separate_shared_expert(w, cfg):
+            # the routed experts and the shared expert side by side; hc_post adds them (routed +
+            # shared, the sum ops.moe makes)
+            routed, shared = self.branches.run([lambda: ops.routed_experts(x, step.ids, w, cfg, hash_routed),
+                                                lambda: ops.shared_expert(x, w, cfg)])
+            return ops.hc_post(routed, h, post, comb, shared)
         f = par.moe(x, step.ids, w, cfg, hash_routed) if par else ops.moe(x, step.ids, w, cfg, hash_routed)
         return ops.hc_post(f, h, post, comb)
 
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
                    cache: V4CacheView) -> Tensor:
+        """The attention sublayer. Its independent chains (the queries, the window KV, each
+        compressor with its entry writes) are the parts of one ``branches.run``: side by side on
+        CUDA streams where that is on, in this order otherwise. Every index tensor they share is
+        derived here first, on the calling stream."""
         cfg, qs, pos = self.cfg, self.quant_sim, step.positions
         freqs = ops.layer_inv_freqs(cfg, ratio, self.device)  # one set for ratio 0, one for the others
         rope = step.derived(("rope", ratio > 0), lambda: ops.rope_at(pos, freqs))
         backend = self._backend(cache)
-        q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype)
-        kv = ops.project_kv(x, w, rope, cfg, qs)
+
+        def queries():
+            q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype)
+            return q, qr, (ops.indexer_queries(x, qr, w, rope, cfg, qs) if ratio == 4 else None)
+
+        parts = [queries, lambda: ops.project_kv(x, w, rope, cfg, qs)]
         comp_idx = table = entries = entry_layout = None
         if ratio:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
-            a, s = ops.compressor_projections(x, w, "attn.compressor", pos, ratio)
             visible = step.derived(("visible", ratio), lambda: (pos + 1) // ratio)
+            main = f"main{layer}"
+        if ratio == 4:
+            c4 = cache.c4_index[layer]
+            windows = self._c4_windows(step, freqs)
+            for kind, prefix, name in (("main", "attn.compressor", main),
+                                       ("index", "attn.indexer.compressor", f"index{layer}")):
+                rows = self._write_rows(step, pool, name, 4)
+                parts.append(lambda kind=kind, prefix=prefix, name=name, rows=rows: pool.write(name, rows, self._c4_entries(
+                    cache, step, c4, kind, *ops.compressor_projections(x, w, prefix, pos, 4), w, prefix, windows,
+                    kind == "index")))
+        elif ratio == 128:
+            c128, layout = cache.c128_index[layer], pool.layouts[main]
+            dst, comp_idx = step.derived(("c128_entries", table.shape[1], layout.page_size),
+                                         lambda: _c128_rows(step, pool.scratch_row, table.shape[1], visible, layout))
+            segs = self._c128_segments(step, cache, c128, freqs)
+            parts.append(lambda: pool.write(main, dst, self._c128_entries(
+                step, *ops.compressor_projections(x, w, "attn.compressor", pos, 128), w, segs)))
+        (q, qr, index_q), kv = self.branches.run(parts)[:2]
+        if ratio:
             if ratio == 4:
-                c4 = cache.c4_index[layer]
-                new = self._c4_entries(cache, step, c4, "main", a, s, w, "attn.compressor", freqs, False)
-                pool.write(f"main{layer}", self._write_rows(step, pool, f"main{layer}", 4), new)
-                ia, is_ = ops.compressor_projections(x, w, "attn.indexer.compressor", pos, 4)
-                keys = self._c4_entries(cache, step, c4, "index", ia, is_, w, "attn.indexer.compressor", freqs, True)
-                pool.write(f"index{layer}", self._write_rows(step, pool, f"index{layer}", 4), keys)
-                qi, hw = ops.indexer_queries(x, qr, w, rope, cfg, qs)
-                comp_idx = self._select(backend, pool, f"index{layer}", table, step, qi, hw, visible)
-            else:
-                new = self._c128_entries(cache, step, cache.c128_index[layer], a, s, w, freqs)
-                dst, comp_idx = step.derived(("c128_entries", table.shape[1], pool.layouts[f"main{layer}"].page_size),
-                                             lambda: _c128_rows(step, pool.scratch_row, table.shape[1], visible,
-                                                                pool.layouts[f"main{layer}"]))
-                pool.write(f"main{layer}", dst, new)
-            entries, entry_layout = pool.tensors[f"main{layer}"], pool.layouts[f"main{layer}"]
+                comp_idx = self._select(backend, pool, f"index{layer}", table, step, *index_q, visible)
+            entries, entry_layout = pool.tensors[main], pool.layouts[main]
         o = backend.attend(AttnBatch(
             q, kv, step, ring=cache.slot_state["ring"][:, layer],
             ring_layout=cache.layout.ring, comp_idx=comp_idx, entry_table=table,
@@ -412,27 +433,43 @@ class V4Model:
                             lambda: layout.locate(step.tables.write_rows[ratio]))
 
     # ---- compressors (batched over the step's requests) -------------------------------------
+    @staticmethod
+    def _c4_windows(step: StepBatch, freqs: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor], ops.Rope]:
+        """The C4 layers' window addressing (``_c4_window_rows``) and each token's rotation at its
+        group's first position, derived once per step."""
+        idx, dst = step.derived(("c4_windows",), lambda: _c4_window_rows(step))
+        rope = step.derived(("rope_c4_entries",), lambda: ops.rope_at(step.positions - 3, freqs))  # group starts
+        return idx, dst, rope
+
     def _c4_entries(self, cache: V4CacheView, step: StepBatch, c4: int, kind: str, a: Tensor, s: Tensor,
-                    w: dict[str, Tensor], prefix: str, freqs: Tensor, is_indexer: bool) -> Tensor:
+                    w: dict[str, Tensor], prefix: str, windows: tuple[Tensor, tuple[Tensor, Tensor], ops.Rope],
+                    is_indexer: bool) -> Tensor:
         """Per token t at position p, the entry its 8-row window (positions p-7..p) pools, finished
         -> [T, d] (meaningful where p completes a group; the others go to the scratch row). Then
         the chunk's last 8 rows of each request become its state (rows at p % 8)."""
         # this layer's states [slots, 8, 2d] (views); rows before the chunk come from them, rows
         # inside it from the chunk
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"][:, c4], cache.slot_state[f"c4_{kind}_s"][:, c4]
-        idx, dst = step.derived(("c4_windows",), lambda: _c4_window_rows(step))
-        rope = step.derived(("rope_c4_entries",), lambda: ops.rope_at(step.positions - 3, freqs))  # group starts
+        idx, dst, rope = windows
         return ops.c4_entries(a, s, st_a, st_s, step.slots, idx, dst, w, prefix, rope, self.cfg,
                               is_indexer, self.quant_sim)
 
-    def _c128_entries(self, cache: V4CacheView, step: StepBatch, c128: int, a: Tensor, s: Tensor,
-                      w: dict[str, Tensor], freqs: Tensor) -> Tensor:
+    @staticmethod
+    def _c128_segments(step: StepBatch, cache: V4CacheView, c128: int, freqs: Tensor
+                       ) -> tuple[Tensor, Tensor, ops.Rope]:
+        """A C128 layer's segment inputs: (its states [slots, 3, d] (a view), each segment's slot,
+        each segment's rotation at its group's first position), the latter two once per step."""
+        seg = step.c128
+        slots = step.derived(("c128_slots",), lambda: step.slots[step.tok_req[seg.last_tok]])
+        rope = step.derived(("rope_c128_entries",), lambda: ops.rope_at(seg.first_pos, freqs))
+        return cache.slot_state["c128"][:, c128], slots, rope
+
+    def _c128_entries(self, step: StepBatch, a: Tensor, s: Tensor, w: dict[str, Tensor],
+                      segments: tuple[Tensor, Tensor, ops.Rope]) -> Tensor:
         """Online-softmax pooling of every (request, group) segment of the step, position by
         position -> the segments' entries [G, d] (real where the segment completes its group)."""
-        seg, state = step.c128, cache.slot_state["c128"][:, c128]  # this layer's states [slots, 3, d]
-        slots = step.derived(("c128_slots",), lambda: step.slots[step.tok_req[seg.last_tok]])
+        seg, (state, slots, rope) = step.c128, segments
         run = ops.online_softmax_pool(a, s, seg.tok, ops.c128_start(seg.carry, slots, state, a), seg.width)
-        rope = step.derived(("rope_c128_entries",), lambda: ops.rope_at(seg.first_pos, freqs))
         return ops.c128_finish(run, seg.completes, state, seg.store_slot, w, rope, self.cfg, self.quant_sim)
 
     def _select(self, backend: AttentionBackend, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor,

@@ -246,9 +246,13 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     return comb
 
 
-@on_gpu(rows={"f": (0,), "h": (0,), "post": (0,), "comb": (0,)})
-def hc_post(f: Tensor, h: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """Expand a sublayer output back to the streams: h'[k] = post_k f + sum_j comb[j, k] h[j]."""
+@on_gpu(rows={"f": (0,), "h": (0,), "post": (0,), "comb": (0,), "f_plus": (0,)})
+def hc_post(f: Tensor, h: Tensor, post: Tensor, comb: Tensor, f_plus: Tensor | None = None) -> Tensor:
+    """Expand a sublayer output back to the streams: h'[k] = post_k f + sum_j comb[j, k] h[j].
+    ``f_plus``: a second part of the output, f + f_plus (the MoE's routed and shared experts
+    computed apart)."""
+    if f_plus is not None:
+        f = f + f_plus
     return post.unsqueeze(-1) * f.unsqueeze(1) + _stream_sum(comb, h, h.is_cuda)
 
 
@@ -551,6 +555,13 @@ def _stable_topk(x: Tensor, k: int) -> Tensor:
 
 
 # ---- MoE (§6) ------------------------------------------------------------------------------
+
+def separate_shared_expert(w: dict[str, Tensor], cfg: V4Config) -> bool:
+    """Whether ``moe`` computes a shared expert apart from the routed ones (not folded into the
+    fp8 expert stack): ``routed_experts + shared_expert``, two independent chains."""
+    stack = w.get(FP8_EXPERTS)
+    return bool(cfg.n_shared_experts) and not (stack is not None and stack.shared)
+
 
 def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool) -> Tensor:
     """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert. Where the shared expert

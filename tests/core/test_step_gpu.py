@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dsv4.core import compiled, ops
+from sglang_dsv4.core import branches, compiled, ops
 from sglang_dsv4.core.model import V4Model
 
 pytestmark = pytest.mark.gpu
@@ -74,8 +74,12 @@ def test_grouped_gemm_moe_equals_the_sorted_loop(tiny_gpu):
     assert err.max() < 1e-2, f"max rel err {err.max():.3g}"
 
 
+@pytest.mark.parametrize("streams", [False, True], ids=["one-stream", "branch-streams"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu, graphs, serving_rows):
+def test_decode_step_never_syncs_and_memory_stays_flat(tiny_gpu, graphs, streams, serving_rows, monkeypatch):
+    """``streams``: a layer's independent chains on side streams (``core.branches``): the forks
+    and joins are stream waits, no host sync, and the side streams' blocks are reused, not grown."""
+    monkeypatch.setattr(branches, "ENABLED", streams)
     cfg, w = tiny_gpu
     model = V4Model(cfg, w)
     if graphs:
@@ -151,6 +155,29 @@ def test_graph_replay_equals_eager_bit_for_bit(tiny_gpu, serving_rows):
             assert model.graphs.captured and model.graphs.captured[0][0] == 8
         srv.cache.check_integrity()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_branch_streams_give_the_same_bits_eager_and_replayed(tiny_gpu, serving_rows, monkeypatch):
+    """A layer's chains on side streams (``core.branches``, prefill and decode) against one
+    stream: the same kernels on the same inputs, so the same logits bit for bit, eager and from
+    CUDA graphs captured over the forks and joins; a race between the streams shows here."""
+    cfg, w = tiny_gpu
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 120, 125, 126, 127, 250, 255)]
+    tails = torch.randint(0, cfg.vocab_size, (8, 6), generator=g).to(DEV)
+    outs = {}
+    for streams, graphs in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(branches, "ENABLED", streams)
+        model = V4Model(cfg, w)
+        if graphs:
+            model.enable_cuda_graphs(max_batch=16)
+        srv = serving_rows(cfg, 9)
+        states = _prefill_all(model, srv, prompts)
+        outs[streams, graphs] = torch.stack([torch.cat(_decode(model, srv, range(8), states, tails[:, t],
+                                                               as_batch=graphs)) for t in range(tails.shape[1])])
+        srv.cache.check_integrity()
+    assert torch.equal(outs[True, False], outs[False, False])
+    assert torch.equal(outs[True, True], outs[False, False])
 
 
 def test_one_model_over_caches_made_one_after_another_replays_each_caches_own_graphs(tiny_gpu, serving_rows):

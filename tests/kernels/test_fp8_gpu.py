@@ -38,10 +38,10 @@ from sglang_dsv4.checkpoint.loader import keeps_fp8, logical_from_stored
 from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
 from sglang_dsv4.checkpoint.writer import random_stored
 from sglang_dsv4.config import V4Config
-from sglang_dsv4.core import compiled, ops
+from sglang_dsv4.core import branches, compiled, ops
 from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.kernels import fp8_linear as fp8_linear_mod
-from sglang_dsv4.kernels import fp8_moe
+from sglang_dsv4.kernels import fp8_moe, kv_store
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_reference, fp8_linear, fp8_linear_reference
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from sglang_dsv4.kernels import weight_mode
@@ -313,10 +313,17 @@ def test_logits_against_the_bf16_path(which, tiny_path, serving_rows):
         assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, monkeypatch):
-    """``fold``: the shared expert folded into the expert stacks (``fp8_moe.FOLD_SHARED``)."""
+@pytest.mark.parametrize("fold,streams,fused_write", [(False, False, False), (True, False, False),
+                                                      (False, True, False), (False, False, True)])
+def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, streams, fused_write,
+                                                        monkeypatch):
+    """With each opt-in switch of the fp8 step: ``fold``, the shared expert folded into the expert
+    stacks (``fp8_moe.FOLD_SHARED``); ``streams``, a layer's chains on side streams
+    (``core.branches``); ``fused_write``, KV rows quantised in their store's launch
+    (``kv_store.FUSED_WRITE``)."""
     monkeypatch.setattr(fp8_moe, "FOLD_SHARED", fold)
+    monkeypatch.setattr(branches, "ENABLED", streams)
+    monkeypatch.setattr(kv_store, "FUSED_WRITE", fused_write)
     cfg, path = _source("tiny", tiny_path)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 120, 125, 126, 127, 250, 255)]
