@@ -19,6 +19,7 @@ kernel, and the indexer's dot products in float64 (exact for its fp4-valued oper
 
 from __future__ import annotations
 
+from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING, Sequence
 
@@ -57,7 +58,7 @@ def weight_dtypes(matmul_dtype: torch.dtype, dtype: torch.dtype = torch.float32)
 
 
 def _c4_window_rows(step: StepBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """``V4Model._c4_entries``' addressing, the same in every C4 layer and kind: (per token the
+    """``V4Model._c4_compress``' addressing, the same in every C4 layer and kind: (per token the
     8 rows its window pools [T, 8], in the concatenation [slot states' rows (B * 8); the chunk's
     rows (T); a padding row], and where its row goes in a layer's state [slots, 8, 2d]: (slot,
     row) per token, the request's slot for its last 8 positions, the scratch slot's else)."""
@@ -396,21 +397,17 @@ class V4Model:
             visible = step.derived(("visible", ratio), lambda: (pos + 1) // ratio)
             main = f"main{layer}"
         if ratio == 4:
-            c4 = cache.c4_index[layer]
             windows = self._c4_windows(step, freqs)
             for kind, prefix, name in (("main", "attn.compressor", main),
                                        ("index", "attn.indexer.compressor", f"index{layer}")):
-                rows = self._write_rows(step, pool, name, 4)
-                parts.append(lambda kind=kind, prefix=prefix, name=name, rows=rows: pool.write(name, rows, self._c4_entries(
-                    cache, step, c4, kind, *ops.compressor_projections(x, w, prefix, pos, 4), w, prefix, windows,
-                    kind == "index")))
+                parts.append(partial(self._c4_compress, cache, step, x, w, cache.c4_index[layer], kind, prefix,
+                                     pool, name, self._write_rows(step, pool, name, 4), windows))
         elif ratio == 128:
-            c128, layout = cache.c128_index[layer], pool.layouts[main]
+            layout = pool.layouts[main]
             dst, comp_idx = step.derived(("c128_entries", table.shape[1], layout.page_size),
                                          lambda: _c128_rows(step, pool.scratch_row, table.shape[1], visible, layout))
-            segs = self._c128_segments(step, cache, c128, freqs)
-            parts.append(lambda: pool.write(main, dst, self._c128_entries(
-                step, *ops.compressor_projections(x, w, "attn.compressor", pos, 128), w, segs)))
+            parts.append(partial(self._c128_compress, step, x, w, pool, main, dst,
+                                 self._c128_segments(step, cache, cache.c128_index[layer], freqs)))
         (q, qr, index_q), kv = self.branches.run(parts)[:2]
         if ratio:
             if ratio == 4:
@@ -441,18 +438,20 @@ class V4Model:
         rope = step.derived(("rope_c4_entries",), lambda: ops.rope_at(step.positions - 3, freqs))  # group starts
         return idx, dst, rope
 
-    def _c4_entries(self, cache: V4CacheView, step: StepBatch, c4: int, kind: str, a: Tensor, s: Tensor,
-                    w: dict[str, Tensor], prefix: str, windows: tuple[Tensor, tuple[Tensor, Tensor], ops.Rope],
-                    is_indexer: bool) -> Tensor:
-        """Per token t at position p, the entry its 8-row window (positions p-7..p) pools, finished
-        -> [T, d] (meaningful where p completes a group; the others go to the scratch row). Then
-        the chunk's last 8 rows of each request become its state (rows at p % 8)."""
+    def _c4_compress(self, cache: V4CacheView, step: StepBatch, x: Tensor, w: dict[str, Tensor], c4: int,
+                     kind: str, prefix: str, pool, name: str, rows,
+                     windows: tuple[Tensor, tuple[Tensor, Tensor], ops.Rope]) -> None:
+        """One ratio-4 compressor of a layer (``kind`` main or index): per token t at position p,
+        the entry its 8-row window (positions p-7..p) pools, finished and written to ``name`` at
+        ``rows`` (the scratch row where p completes no group). Then the chunk's last 8 rows of
+        each request become its state (rows at p % 8)."""
+        a, s = ops.compressor_projections(x, w, prefix, step.positions, 4)
         # this layer's states [slots, 8, 2d] (views); rows before the chunk come from them, rows
         # inside it from the chunk
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"][:, c4], cache.slot_state[f"c4_{kind}_s"][:, c4]
         idx, dst, rope = windows
-        return ops.c4_entries(a, s, st_a, st_s, step.slots, idx, dst, w, prefix, rope, self.cfg,
-                              is_indexer, self.quant_sim)
+        pool.write(name, rows, ops.c4_entries(a, s, st_a, st_s, step.slots, idx, dst, w, prefix, rope, self.cfg,
+                                              kind == "index", self.quant_sim))
 
     @staticmethod
     def _c128_segments(step: StepBatch, cache: V4CacheView, c128: int, freqs: Tensor
@@ -464,13 +463,16 @@ class V4Model:
         rope = step.derived(("rope_c128_entries",), lambda: ops.rope_at(seg.first_pos, freqs))
         return cache.slot_state["c128"][:, c128], slots, rope
 
-    def _c128_entries(self, step: StepBatch, a: Tensor, s: Tensor, w: dict[str, Tensor],
-                      segments: tuple[Tensor, Tensor, ops.Rope]) -> Tensor:
-        """Online-softmax pooling of every (request, group) segment of the step, position by
-        position -> the segments' entries [G, d] (real where the segment completes its group)."""
+    def _c128_compress(self, step: StepBatch, x: Tensor, w: dict[str, Tensor], pool, name: str, dst,
+                       segments: tuple[Tensor, Tensor, ops.Rope]) -> None:
+        """A layer's ratio-128 compressor: online-softmax pooling of every (request, group)
+        segment of the step, position by position; the segments' entries written to ``name`` at
+        ``dst`` (real where the segment completes its group, else to the scratch row)."""
+        a, s = ops.compressor_projections(x, w, "attn.compressor", step.positions, 128)
         seg, (state, slots, rope) = step.c128, segments
         run = ops.online_softmax_pool(a, s, seg.tok, ops.c128_start(seg.carry, slots, state, a), seg.width)
-        return ops.c128_finish(run, seg.completes, state, seg.store_slot, w, rope, self.cfg, self.quant_sim)
+        pool.write(name, dst, ops.c128_finish(run, seg.completes, state, seg.store_slot, w, rope, self.cfg,
+                                              self.quant_sim))
 
     def _select(self, backend: AttentionBackend, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor,
                 hw: Tensor, visible: Tensor) -> Tensor:
