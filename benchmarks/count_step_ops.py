@@ -60,6 +60,15 @@ def wrap_regions(wrap) -> None:
                 setattr(module, name, wrap(fn))
 
 
+def device_op(stack) -> bool:
+    """Whether an op called from ``stack`` is the step's device work on a GPU: called from the
+    package, not from the torch reference kernels, the host-side step building or the CPU's own
+    loop over experts. (``Branches.run`` runs its parts in a list comprehension on the CPU: not
+    host work.)"""
+    frames = [fr for fr in stack if "sglang_dsv4" in fr.filename and not fr.filename.endswith("core/branches.py")]
+    return bool(frames) and not any("torch_ref" in fr.filename or fr.name in HOST | CPU_ONLY for fr in frames)
+
+
 class FusedRegions:
     """Marks the calls of ``ops``' ``on_gpu`` functions (compiled on a GPU)."""
 
@@ -89,10 +98,11 @@ class OpCensus(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if self.regions.depth or name in FREE:
             return out
-        frames = [fr for fr in traceback.extract_stack()[:-1] if "sglang_dsv4" in fr.filename]
-        if not frames or any("torch_ref" in fr.filename or fr.name in HOST | CPU_ONLY for fr in frames):
+        stack = traceback.extract_stack()[:-1]
+        if not device_op(stack):
             return out
-        self.counts[f"{frames[-1].filename.split('sglang_dsv4/')[-1]}:{frames[-1].name}"] += 1
+        site = [fr for fr in stack if "sglang_dsv4" in fr.filename][-1]
+        self.counts[f"{site.filename.split('sglang_dsv4/')[-1]}:{site.name}"] += 1
         return out
 
 
