@@ -22,7 +22,8 @@ steps' own wall time, the figure of sessions 1-27: the profiler's host cost per 
 step's host work, when the GPU waits, count against it),
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
-device-to-device copy bandwidth measured in the same run) and step / roofline; prefill s: the
+device-to-device copy bandwidth measured in the same run), step / roofline and pipelined / roofline
+(the step as an overlap scheduler sees it, its host work hidden behind the GPU's); prefill s: the
 context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops).
 
 ``--switches default,hc_fused_pre,fp8_cublas``: each new path once per set of the opt-in GPU
@@ -439,11 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(device)
     rows = []
     header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
-              "| GPU busy % | busy % profiled | roofline ms | step / roofline | vs before | prefill s |")
+              "| GPU busy % | busy % profiled | roofline ms | step / roofline | pipelined / roofline | vs before | prefill s |")
     import sglang_dsv4  # which tree this process measures (a "before" run must not be this one)
     print(f"package {Path(sglang_dsv4.__file__).parent}", flush=True)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()}); {kernel_note()}", flush=True)
-    print(header + "\n" + "|---" * 16 + "|", flush=True)
+    print(header + "\n" + "|---" * 17 + "|", flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]
         cfg = make_config(cname, max(contexts) + args.steps + 64)
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                         before = ms
                     line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
                             f"{piped:.2f} | {prof.launches:.0f} | {prof.syncs:.1f} | {prof.busy_of(piped):.0f} | "
-                            f"{prof.busy_profiled:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | "
+                            f"{prof.busy_profiled:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {piped / (roof * 1e3):.1f} | "
                             f"{ratio} | {prefill_s:.2f} |")
                     rows.append(line)
                     print(line, flush=True)
@@ -490,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_summary()
     print(compiled, flush=True)
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 16 + "|\n" + "\n".join(rows)
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 17 + "|\n" + "\n".join(rows)
                             + f"\n\n{compiled}\n")
     return 0
 
