@@ -72,6 +72,43 @@ def test_the_row_store_leaves_the_torch_stores_bytes(triton_interpreted):
     assert triton_interpreted(_CASES) == 0
 
 
+_MODEL = """
+import torch
+from sglang_dsv4.checkpoint import load_checkpoint
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.kernels import kv_store
+from sglang_dsv4.srt.state import SglangV4Cache
+ckpt = load_checkpoint(MICRO)
+cfg = ckpt.config
+ids = torch.randint(0, cfg.vocab_size, (160,), generator=torch.Generator().manual_seed(1))
+res = {}
+for fused in (False, True):
+    kv_store.FUSED_WRITE = fused
+    model = V4Model(cfg, dict(ckpt.tensors))
+    cache = SglangV4Cache.with_own_table(cfg, 3, 512, max_seq_len=160, backend="torch-fp8")
+    cache.req_to_token[0, :130] = torch.arange(1, 131, dtype=torch.int32)
+    cache.req_to_token[1, :20] = torch.arange(131, 151, dtype=torch.int32)
+    a, b = cache.bind(0, 1, 0), cache.bind(1, 1, 0)
+    out = model.forward(cache, [a, b], [ids[:130], ids[130:150]])  # a completes a ratio-128 group
+    for t in range(2):
+        cache.req_to_token[0, 130 + t] = 151 + 2 * t
+        cache.req_to_token[1, 20 + t] = 152 + 2 * t
+        out += model.forward(cache, [a, b], [ids[t:t + 1], ids[t + 1:t + 2]])
+    scratch = cache.layout.scratch_slot(cache.slot_state)
+    # the scratch slot and rows take every discarded write (the last of several wins): left out
+    res[fused] = [torch.cat(out)] + [t[:scratch].clone() for t in cache.slot_state.values()] + [
+        p.read(name, torch.arange(p.capacity)) for p in cache.pools.values() for name in p.tensors]
+print("WORST", sum(int(not torch.equal(x, y)) for x, y in zip(res[False], res[True])))
+"""
+
+
+def test_the_fused_write_serves_the_model_as_the_quantiser_and_store_do(triton_interpreted, micro_dir):
+    """The micro model over the serving cache with FlashMLA's layout (prefill, a completed
+    ratio-128 group, decode steps; every Triton kernel interpreted): with the KV rows quantised
+    in their store's launch, the same logits, rings, compressor states and entry rows, bit for bit."""
+    assert triton_interpreted(_MODEL.replace("MICRO", repr(str(micro_dir)))) == 0
+
+
 def test_the_fused_write_takes_the_kernels_layouts_only(monkeypatch):
     from sglang_dsv4.kernels.kv_layout import V4Fp8Rows
 
