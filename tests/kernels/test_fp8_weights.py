@@ -290,6 +290,34 @@ def test_a_folded_shared_expert_gives_the_moe_of_the_unfolded_layer(micro_dir, l
     assert err.max() < 1e-5, f"max rel err {err.max():.3g}"
 
 
+def test_a_model_with_folded_shared_experts_gives_the_unfolded_logits(micro_dir, monkeypatch):
+    """``fp8_moe.FOLD_SHARED`` through ``V4Model._stack_experts`` (which a GPU model runs at
+    construction; called here on the CPU): every layer's stack takes its shared expert, the
+    model's shared entries are views of it, and the logits are the unfolded model's (the fp8
+    reference GEMMs: summation order apart)."""
+    from sglang_dsv4.kernels import fp8_moe
+
+    ckpt = load_checkpoint(micro_dir, weight_mode="fp8")
+    cfg = ckpt.config
+    ids = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for fold in (False, True):
+        monkeypatch.setattr(fp8_moe, "FOLD_SHARED", fold)
+        model = V4Model(cfg, dict(ckpt.tensors))
+        model._stack_experts()
+        for i in range(cfg.num_hidden_layers):
+            assert model.layers[i][ops.FP8_EXPERTS].shared == fold
+            view = model.w[f"layers.{i}.{ops.SHARED_EXPERT}.w2.weight"].q
+            stack = model.layers[i][ops.FP8_EXPERTS].w2.q
+            assert (view.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()) == fold
+        cache = V4Cache(cfg, max_requests=1, max_total_tokens=256)
+        req = cache.new_request()
+        out[fold] = torch.cat([model.forward(cache, [req], [ids[:20]])[0]] +
+                              [model.forward(cache, [req], [ids[t:t + 1]])[0] for t in range(20, 30)])
+    err = (out[True] - out[False]).norm(dim=-1) / out[False].norm(dim=-1)
+    assert err.max() < 1e-4, err.max()
+
+
 def test_only_a_shared_expert_of_the_routed_shapes_is_stacked():
     cfg = _micro_cfg()
     w1, w3, w2 = _fp8_experts(cfg, 3)
