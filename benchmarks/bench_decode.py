@@ -204,9 +204,10 @@ SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "bran
 
 def switched(variant: str | None, make):
     """``make()`` (a path) with the opt-in kernels of ``variant`` on and the others off (None: as
-    the environment set them), its name suffixed with the variant. The switches are read per call
-    (the fused hyper-connection mixes) or guarded by Dynamo (the cuBLAS GEMM), so a path runs what
-    was switched on while it was made; each path builds its own model and graphs."""
+    the environment set them), its name suffixed with the variant. The switches stay as set until
+    the next path is made: read per call, guarded by Dynamo (the cuBLAS GEMM) or read when the
+    model is built (the folded shared expert), so a path runs what was switched on while it was
+    made; each path builds its own model and graphs."""
     if variant is None:
         return make()
     on = set() if variant == "default" else set(variant.split("+"))
@@ -444,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     import sglang_dsv4  # which tree this process measures (a "before" run must not be this one)
     print(f"package {Path(sglang_dsv4.__file__).parent}", flush=True)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()}); {kernel_note()}", flush=True)
-    print(header + "\n" + "|---" * 17 + "|", flush=True)
+    separator = "|---" * (header.count("|") - 1) + "|"
+    print(header + "\n" + separator, flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]
         cfg = make_config(cname, max(contexts) + args.steps + 64)
@@ -491,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_summary()
     print(compiled, flush=True)
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n" + "|---" * 17 + "|\n" + "\n".join(rows)
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n{separator}\n" + "\n".join(rows)
                             + f"\n\n{compiled}\n")
     return 0
 

@@ -556,19 +556,24 @@ def _stable_topk(x: Tensor, k: int) -> Tensor:
 
 # ---- MoE (§6) ------------------------------------------------------------------------------
 
+def _folded_stack(w: dict[str, Tensor]):
+    """The layer's fp8 expert stack where the shared expert is folded into it, else None."""
+    stack = w.get(FP8_EXPERTS)
+    return stack if stack is not None and stack.shared else None
+
+
 def separate_shared_expert(w: dict[str, Tensor], cfg: V4Config) -> bool:
     """Whether ``moe`` computes a shared expert apart from the routed ones (not folded into the
     fp8 expert stack): ``routed_experts + shared_expert``, two independent chains."""
-    stack = w.get(FP8_EXPERTS)
-    return bool(cfg.n_shared_experts) and not (stack is not None and stack.shared)
+    return bool(cfg.n_shared_experts) and _folded_stack(w) is None
 
 
 def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool) -> Tensor:
     """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert. Where the shared expert
     is folded into the layer's fp8 expert stack (``stack_experts(fold_shared=True)``), one grouped
     pass computes both: each token routes one more slot, gate 1, to it."""
-    stack = w.get(FP8_EXPERTS)
-    if stack is not None and stack.shared:
+    stack = _folded_stack(w)
+    if stack is not None:
         chosen, gates = _route(x, token_ids, w, cfg, hash_routed, shared_slot=cfg.n_routed_experts)
         return fp8_grouped_experts(x, chosen, gates, stack, 0, cfg.swiglu_limit)
     out = routed_experts(x, token_ids, w, cfg, hash_routed)
@@ -733,7 +738,7 @@ def _sorted_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
 def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config, plus: Tensor | None = None) -> Tensor:
     """The shared expert's output, [T, D] (V4 has one; callers check ``n_shared_experts``);
     ``plus + `` it with ``plus`` (the routed experts' sum: the add joins the region's last kernel)."""
-    p = "ffn.shared_experts"
+    p = SHARED_EXPERT
     y = _swiglu(x, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, None)
     out = linear(y, w[f"{p}.w2.weight"])
     return out if plus is None else plus + out

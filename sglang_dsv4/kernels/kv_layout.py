@@ -239,11 +239,11 @@ class V4Fp8Rows(RowLayout):
 
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
         page, off = self.locate(rows)
-        if kv_store.supported(buf) and self.fused_write():  # the GPU: one launch
-            kv_store.quantise_store_v4(buf, page, off, x.reshape(-1, self.dim), self.nope, self.rope, self.page_size,
-                                       self.data_bytes, self.scale_bytes)
-            return
-        if kv_store.supported(buf):  # the GPU: the quantiser's outputs stored by one launch
+        if kv_store.supported(buf):  # the GPU: one launch, quantised in it or by the fused region before
+            if self.fused_write():
+                kv_store.quantise_store_v4(buf, page, off, x.reshape(-1, self.dim), self.nope, self.rope,
+                                           self.page_size, self.data_bytes, self.scale_bytes)
+                return
             q, rope, scales = _v4_fp8_quantise(x, self.nope, self.rope_dtype, self.scale_bytes)
             kv_store.store_row_bytes(buf, page, off, [
                 (q.view(torch.uint8), 0, self.data_bytes),
@@ -311,11 +311,16 @@ class IndexFp8Rows(RowLayout):
         base = self.page_size * self.dim
         return buf[..., base:base + 4 * self.page_size].unflatten(-1, (self.page_size, 4))
 
+    def fused_write(self) -> bool:
+        """Whether ``write`` quantises inside its store's launch (``kv_store.FUSED_WRITE``; the
+        kernel takes power-of-two widths)."""
+        return kv_store.FUSED_WRITE and self.dim & (self.dim - 1) == 0
+
     def write(self, buf: Tensor, rows: Tensor, x: Tensor) -> None:
         page, off = self.locate(rows)
-        if kv_store.supported(buf) and kv_store.FUSED_WRITE and self.dim & (self.dim - 1) == 0:
+        if kv_store.supported(buf) and self.fused_write():  # the GPU: quantised in the store's launch
             kv_store.quantise_store_index(buf, page, off, x.reshape(-1, self.dim), self.dim, self.page_size)
-            return  # quantised in the store's launch
+            return
         data, scales = self.pack(x)
         if kv_store.supported(buf):  # the GPU: one launch
             kv_store.store_row_bytes(buf, page, off, [(data, 0, self.dim), (scales, self.page_size * self.dim, 4)])

@@ -66,7 +66,7 @@ def _e4m3_bits(q):
     vb = v.to(tl.int32, bitcast=True)
     ev = ((vb >> 23) & 0xFF) - 127
     normal = ((ev + 7) << 3) | ((vb >> 20) & 0x7)
-    sub = (r * tl.where(e < -6, 1.0, 0.0)).to(tl.int32)  # below 2^-6 the quantum is 2^-9: r itself
+    sub = r.to(tl.int32)  # below 2^-6 (then e < -6) the quantum is 2^-9: the mantissa is r itself
     return (tl.where(v >= 0.015625, normal, sub) | sign).to(tl.uint8)
 
 
