@@ -34,7 +34,8 @@ naming the set (``graphs+fp8_cublas``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSE
 ``kernels.fp8_moe``; read when a path's model is built), ``kv_fused_write`` =
 ``SGLANG_DSV4_KV_FUSED_WRITE=1`` (the KV rows quantised inside their store's launch, ``kernels.kv_store``),
 ``branch_streams`` = ``SGLANG_DSV4_BRANCH_STREAMS=1`` (a layer's independent chains on side
-streams, ``core.branches``). The switches are read per call; a path's graphs keep what was on
+streams, ``core.branches``), ``moe_fused_swiglu`` = ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1`` (the routed
+experts' SwiGLU as GEMM 1's epilogue, ``kernels.fp8_moe``). The switches are read per call; a path's graphs keep what was on
 while they were captured.
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
@@ -196,10 +197,10 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
 
     return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
             "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE"),
-            "branch_streams": (branches, "ENABLED")}
+            "branch_streams": (branches, "ENABLED"), "moe_fused_swiglu": (fp8_moe, "FUSED_SWIGLU")}
 
 
-SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "branch_streams")
+SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "branch_streams", "moe_fused_swiglu")
 
 
 def switched(variant: str | None, make):

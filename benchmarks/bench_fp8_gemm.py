@@ -1,7 +1,7 @@
 """Tile configurations of the fp8 block GEMM (``kernels.fp8_linear``) at decode shapes, on the GPU.
 
     python -m benchmarks.bench_fp8_gemm [--tokens 1,64,256] [--experts 32,8] [--dense-tokens 1,64,256]
-        [--stages 3,4] [--reps 30] [--cublas]
+        [--stages 3,4] [--reps 30] [--cublas] [--swiglu]
 
 Times ``fp8_gemm`` on V4-Flash's dense projection shapes and on the routed experts' two grouped
 GEMMs (k = 6 of E experts, random routing, the row layout of ``fp8_moe``), once with the
@@ -11,7 +11,9 @@ touch, once) per second, the time over those bytes / the copy bandwidth measured
 (``bench_decode``'s roofline), and
 the largest difference from the shipped configuration's result (0: the same bits). ``--cublas``:
 instead, the dense shapes with the shipped Triton kernel against cuBLAS's block-scaled GEMM
-(``kernels.fp8_cublas``, opt-in ``SGLANG_DSV4_FP8_GEMM=cublas``), side by side. Weights are
+(``kernels.fp8_cublas``, opt-in ``SGLANG_DSV4_FP8_GEMM=cublas``), side by side. ``--swiglu``:
+instead, the routed experts' GEMM 1 and the SwiGLU region after it against GEMM 1 with the
+SwiGLU as its epilogue (``fp8_moe.swiglu_gemm``, opt-in ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1``). Weights are
 rotated through copies larger than the L2, as the layers of a step are. A harness: what a
 configuration costs decides ``_config``; nothing here is imported by the package.
 """
@@ -147,6 +149,42 @@ def cublas_table(tokens: list[int], reps: int, bw: float, g: torch.Generator) ->
               f"{diff:.1e} |", flush=True)
 
 
+def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator) -> None:
+    """GEMM 1 + ``_gated_swiglu_quantised`` (what ships) against ``swiglu_gemm`` (one launch), the
+    shipped row layout, side by side; where the epilogue does not fit (K would be split) no row."""
+    print("| experts | tokens | block_m | GEMM 1 + SwiGLU us | epilogue us | speed-up | roofline us "
+          "| epilogue / roofline | bytes differing |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for E in experts:
+        w13 = [random_fp8((E, 2 * INTER, DIM), g) for _ in range(max(2, math.ceil(2 * L2_BYTES / (E * 2 * INTER * DIM))))]
+        stack = [fp8_moe.Fp8Experts(w, w, INTER) for w in w13]  # GEMM 1 reads w13 alone
+        for t in tokens:
+            chosen = torch.rand(t, E, generator=g, device="cuda").topk(min(TOPK, E), -1).indices.int()
+            gates = torch.rand(chosen.shape, generator=g, device="cuda")
+            A, M = fp8_moe.grouped_rows(chosen.numel(), E)
+            if not fp8_moe.swiglu_epilogue_fits(M, stack[0], A, chosen.device):
+                print(f"| {E} | {t} | {A} | | (K split: not fused) | | | | |")
+                continue
+            tok, be, _, gr = fp8_moe._row_layout(chosen, gates, 0, E, A, M)
+            xq, xs = quantize_act(torch.randn(t, DIM, generator=g, device="cuda", dtype=torch.bfloat16))
+            it = itertools.cycle(stack)
+
+            def two_step(s=None):
+                s = s or next(it)
+                h = fp8_gemm(xq, xs, s.w13, torch.float32, rows=tok, block_expert=be, block_m=A, sum_splits=False)
+                return fp8_moe._gated_swiglu_quantised(h, gr, INTER, INTER, 10.0)
+
+            def fused(s=None):
+                return fp8_moe.swiglu_gemm(xq, xs, s or next(it), tok, be, gr, A, 10.0)
+
+            differ = (two_step(stack[0])[0].view(torch.uint8) != fused(stack[0])[0].view(torch.uint8)).float().mean()
+            base, us = time_us(two_step, reps), time_us(fused, reps)
+            used = int(torch.unique(chosen).numel())
+            roof = used * 2 * INTER * DIM / bw * 1e6
+            print(f"| {E} | {t} | {A} | {base:.1f} | {us:.1f} | {base / us:.2f}x | {roof:.1f} | {us / roof:.2f} | "
+                  f"{differ.item():.1e} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,64,256")
@@ -155,6 +193,8 @@ def main() -> None:
     ap.add_argument("--dense-tokens", default="1,64,256", help="token counts of the dense cases ('' for none)")
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--cublas", action="store_true", help="the dense shapes, Triton against cuBLAS, only")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="the experts' GEMM 1 + SwiGLU region against GEMM 1 with the SwiGLU epilogue, only")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -162,6 +202,8 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     if args.cublas:
         return cublas_table([int(t) for t in args.dense_tokens.split(",")], args.reps, bw, g)
+    if args.swiglu:
+        return swiglu_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g)
     tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=int(ns)) for bn in (64, 128, 256) for nw in (4, 8)
              for ns in args.stages.split(",")]
     rows = []

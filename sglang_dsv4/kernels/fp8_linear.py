@@ -172,7 +172,8 @@ SPLIT_K_SUM_BLOCK = 1024
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The SMs a launch on ``device`` fills (the interpreter's: ``INTERPRET_SMS``)."""
     if device.type != "cuda":
         return INTERPRET_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -196,11 +197,12 @@ def _plan(M: int, N: int, K: int, block_m: int | None, grouped: bool,
     """A GEMM's launch, from shapes only: (tile config, output tiles, K splits, K blocks a split)."""
     cfg = _config(M, N, block_m, grouped)
     tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
-    splits, per = split_k(tiles, -(-K // cfg["BLOCK_K"]), _sm_count(device))
+    splits, per = split_k(tiles, -(-K // cfg["BLOCK_K"]), sm_count(device))
     return cfg, tiles, splits, per
 
 
-def _runs_kernel(device: torch.device) -> bool:
+def runs_kernel(device: torch.device) -> bool:
+    """Whether this module's Triton kernels run for tensors on ``device`` (CUDA, or the interpreter)."""
     return device.type == "cuda" or INTERPRET
 
 
@@ -219,7 +221,7 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     ``cublas``: whether a dense GEMM goes to cuBLAS (``fp8_cublas``); None decides now
     (``fp8_cublas.planned``), a compiled caller passes what it decided when it was traced.
     """
-    if not _runs_kernel(a_q.device):
+    if not runs_kernel(a_q.device):
         return fp8_gemm_reference(a_q, a_s, w, out_dtype, rows, block_expert, block_m, m)
     from .fp8_triton import fp8_block_gemm_kernel, split_k_sum_kernel
 
@@ -274,7 +276,7 @@ def _fp8_gemm_shape(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype:
     [S, M, N] where the kernel splits K and ``sum_splits`` is False (not with ``cublas``)."""
     N, K = wq.shape[-2:]
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
-    if M and _runs_kernel(a_q.device) and not sum_splits and not cublas:
+    if M and runs_kernel(a_q.device) and not sum_splits and not cublas:
         splits = _plan(M, N, K, block_m, block_expert is not None, a_q.device)[2]
         if splits > 1:
             return a_q.new_empty(splits, M, N, dtype=torch.float32)

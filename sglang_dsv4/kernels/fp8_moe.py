@@ -29,6 +29,13 @@ opt-in ``SGLANG_DSV4_FOLD_SHARED=1``): every token then routes one more slot to 
 of three dense GEMMs and two fused regions of its own (about 5 launches a layer). Its SwiGLU is
 the routed experts' (V4 clamps both alike) and a gate of 1 changes no bit; the output is the k
 routed slots and then the shared one, summed.
+
+The gated SwiGLU and its quantisation can run as GEMM 1's epilogue (``fp8_triton.
+fp8_swiglu_gemm_kernel``, opt-in ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1``): a program computes 128 w1
+and the matching 128 w3 columns of its rows, so the activation's quantisation group is whole in
+it. GEMM 1's float32 output (a write and a read of [M, 2 Ip] floats a layer) and the region
+between the GEMMs go. Only where GEMM 1 needs no split of K (``split_k``; from about 8 tokens a
+step at V4-Flash's sizes): a split's partial sums would have to meet before the SwiGLU.
 """
 
 from __future__ import annotations
@@ -44,13 +51,16 @@ from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
 from . import moe_layout
 from .expert_rows import expert_rows
-from .fp8_linear import Fp8Weight, add_splits, fp8_gemm, quantize_act
+from .fp8_linear import Fp8Weight, add_splits, fp8_gemm, quantize_act, runs_kernel, sm_count, split_k
 
 Tensor = torch.Tensor
 
 # Whether a single-process model folds each layer's shared expert into its expert stack (module
 # docstring); read when the model stacks its experts (``V4Model``), opt-in until timed on the GPU.
 FOLD_SHARED = os.environ.get("SGLANG_DSV4_FOLD_SHARED", "0") == "1"
+# Whether GEMM 1 takes the SwiGLU and quantisation as its epilogue where it can (module docstring);
+# read per call, opt-in until timed on the GPU.
+FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -133,10 +143,12 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     layout = moe_layout.row_layout if moe_layout.preferred(chosen) else _row_layout  # one launch on the GPU
     token_of_row, block_expert, dest_of_pair, gate_of_row = layout(chosen, gates, first_expert, E, A, M)
     xq, xs = quantize_act(x)
-    # each GEMM's split-K partials (if K is split) are added by the region after it
-    h = fp8_gemm(xq, xs, experts.w13, torch.float32, rows=token_of_row, block_expert=block_expert, block_m=A,
-                 sum_splits=False)
-    yq, ys = _gated_swiglu_quantised(h, gate_of_row, experts.inter, experts.inter_padded, limit)
+    if FUSED_SWIGLU and swiglu_epilogue_fits(M, experts, A, x.device):
+        yq, ys = swiglu_gemm(xq, xs, experts, token_of_row, block_expert, gate_of_row, A, limit)
+    else:  # each GEMM's split-K partials (if K is split) are added by the region after it
+        h = fp8_gemm(xq, xs, experts.w13, torch.float32, rows=token_of_row, block_expert=block_expert, block_m=A,
+                     sum_splits=False)
+        yq, ys = _gated_swiglu_quantised(h, gate_of_row, experts.inter, experts.inter_padded, limit)
     out = fp8_gemm(yq, ys, experts.w2, x.dtype, block_expert=block_expert, block_m=A, sum_splits=False)
     return _sum_slots(out, dest_of_pair, k, x.dtype)
 
@@ -171,6 +183,39 @@ def _gated_swiglu_quantised(h: Tensor, gate_of_row: Tensor, inter: int, inter_pa
     return quantize_act((F.silu(g) * u) * gate_of_row[:, None])
 
 
+def swiglu_epilogue_fits(num_rows: int, experts: Fp8Experts, block_m: int, device: torch.device) -> bool:
+    """Whether GEMM 1 of ``num_rows`` rows can take the SwiGLU as its epilogue here: the kernel
+    runs (CUDA, or the interpreter) and its tiles (``block_m`` rows x 128 w1 and 128 w3 columns)
+    fill the SMs without splitting K. Shapes only (CUDA graphs)."""
+    if not runs_kernel(device):
+        return False
+    tiles = -(-num_rows // block_m) * (experts.inter_padded // FP8_WEIGHT_BLOCK)
+    return split_k(tiles, -(-experts.w13.q.shape[-1] // FP8_WEIGHT_BLOCK), sm_count(device))[0] == 1
+
+
+@torch.compiler.disable  # a kernel launch, never traced
+def swiglu_gemm(xq: Tensor, xs: Tensor, experts: Fp8Experts, token_of_row: Tensor, block_expert: Tensor,
+                gate_of_row: Tensor, block_m: int, limit: float) -> tuple[Tensor, Tensor]:
+    """GEMM 1 with its epilogue: ``_gated_swiglu_quantised`` of ``fp8_gemm``'s w1 | w3 rows, in one
+    launch -> (e4m3 [M, Ip], float32 scales [M, Ip / 128]), GEMM 2's input (``quantize_act``'s
+    layout). The same GEMM arithmetic; the SwiGLU and the rounding are the kernel's own
+    (``fp8_bits_triton``: round to nearest even, power-of-two scales)."""
+    from .fp8_triton import fp8_swiglu_gemm_kernel
+
+    M, ip, w = token_of_row.shape[0], experts.inter_padded, experts.w13
+    yq = torch.empty(M, ip, dtype=torch.float8_e4m3fn, device=xq.device)
+    ys = torch.empty(M, ip // FP8_WEIGHT_BLOCK, dtype=torch.float32, device=xq.device)
+    grid = (-(-M // block_m) * (ip // FP8_WEIGHT_BLOCK),)
+    fp8_swiglu_gemm_kernel[grid](
+        xq, xs, w.q, w.scale, yq.view(torch.uint8), ys, token_of_row, block_expert, gate_of_row,
+        M, w.q.shape[-1], ip, float(limit),
+        xq.stride(0), xs.stride(0), w.q.stride(0), w.q.stride(1), w.scale.stride(0), w.scale.stride(1),
+        yq.stride(0), ys.stride(0),
+        CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8,
+        num_warps=8 if block_m >= 64 else 4, num_stages=3)
+    return yq, ys
+
+
 @on_gpu(rows={"out": (-2,), "dest_of_pair": (0,)})
 def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int, dtype: torch.dtype) -> Tensor:
     """GEMM 2's rows [M, D] in ``dtype`` (or its fp32 split-K partials [S, M, D]) -> each token's
@@ -181,4 +226,5 @@ def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int, dtype: torch.dtype) ->
     return pairs.view(-1, k, out.shape[1]).sum(1)
 
 
-__all__ = ["FOLD_SHARED", "Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows", "grouped_rows"]
+__all__ = ["FOLD_SHARED", "FUSED_SWIGLU", "Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows",
+           "grouped_rows", "swiglu_epilogue_fits", "swiglu_gemm"]

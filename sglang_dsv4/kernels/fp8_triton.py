@@ -3,10 +3,13 @@ until an fp8 GEMM runs). Inner loop: SGLang 0.5.23 ``_w8a8_block_fp8_matmul``
 (``sglang/kernels/ops/gemm/fp8_kernel.py``, Apache-2.0), plus a row table, per-block experts and
 a split of K: with ``SPLIT_K`` > 1 program (tile, s) sums K blocks s*KB_PER.. into its own fp32
 partial tile, and ``split_k_sum_kernel`` adds the partials in a fixed order (no atomics: the
-result does not depend on scheduling)."""
+result does not depend on scheduling). ``fp8_swiglu_gemm_kernel``: the routed experts' first
+GEMM with V4's gated SwiGLU and the activation quantisation as its epilogue (``fp8_moe``)."""
 
 import triton
 import triton.language as tl
+
+from .fp8_bits_triton import ceil_log2, e4m3_bits, exp2_int
 
 
 @triton.jit(do_not_specialize=["M", "stride_cs"])  # one compile for every row count
@@ -81,3 +84,75 @@ def split_k_sum_kernel(P, C, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(P + s * MN + offs, mask=mask, other=0.0)
     tl.store(C + offs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def fp8_swiglu_gemm_kernel(
+    A, As, B, Bs, Yq, Ys, Rows, BlockExpert, GateOfRow,
+    M, K, IP, limit,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_ym, stride_ysm,
+    CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``fp8_block_gemm_kernel`` over the stacked w1 | w3 (B [E, 2 IP, K]: w1 rows 0.., w3 rows
+    IP..) with V4's gated SwiGLU and the activation quantisation as its epilogue. Program (m, n)
+    computes the w1 and the w3 columns n*BLOCK_K.. of its rows (two accumulators, each summed as
+    the plain kernel sums a tile), then y = silu(min(g, limit)) * clamp(u, +-limit) * gate(row)
+    and the group of BLOCK_K values (= ``quantize_act``'s group): e4m3 bytes to Yq [M, IP] and the
+    power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) to Ys [M, IP / BLOCK_K]. Rows of a
+    block with no expert (-1) and padding rows (-1 in Rows) get y = 0, as the two-step path."""
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = IP // BLOCK_K
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    out_rows = offs_m.to(tl.int64)
+    yq_ptrs = Yq + out_rows[:, None] * stride_ym + offs_n[None, :]
+    ys_ptrs = Ys + out_rows * stride_ysm + pid_n
+    e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    if e < 0:  # y = 0: zero bytes, the floor's scale
+        tl.store(yq_ptrs, tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.uint8), mask=m_ok[:, None])
+        tl.store(ys_ptrs, exp2_int(ceil_log2(tl.full((BLOCK_M,), 1e-4, tl.float32) / 448.0)), mask=m_ok)
+        return
+    rows = tl.load(Rows + offs_m, mask=m_ok, other=-1)
+    row_ok = rows >= 0
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
+    as_ptrs = As + rows * stride_asm
+    bg_ptrs = B + e * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    bu_ptrs = bg_ptrs + IP * stride_bn
+    bsg_ptrs = Bs + e * stride_bse + pid_n * stride_bsn
+    bsu_ptrs = bsg_ptrs + num_pid_n * stride_bsn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        bg = tl.load(bg_ptrs, mask=k_ok[:, None], other=0.0)
+        bu = tl.load(bu_ptrs, mask=k_ok[:, None], other=0.0)
+        # the plain kernel's arithmetic: dot * a_s * b_s (its b_s is one value per 128 columns)
+        acc_g += tl.dot(a, bg) * a_s[:, None] * tl.load(bsg_ptrs + kb)
+        acc_u += tl.dot(a, bu) * a_s[:, None] * tl.load(bsu_ptrs + kb)
+        a_ptrs += BLOCK_K
+        bg_ptrs += BLOCK_K
+        bu_ptrs += BLOCK_K
+    g, u = acc_g, acc_u
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    gate = tl.load(GateOfRow + offs_m, mask=m_ok, other=0.0)
+    y = ((g * tl.sigmoid(g)) * u) * gate[:, None]
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
+    ex = ceil_log2(amax / 448.0)
+    q = tl.minimum(tl.maximum(y / exp2_int(ex)[:, None], -448.0), 448.0)
+    tl.store(yq_ptrs, e4m3_bits(q), mask=m_ok[:, None])
+    tl.store(ys_ptrs, exp2_int(ex), mask=m_ok)

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .fp8_linear import _sm_count
+from .fp8_linear import sm_count
 from .kv_layout import IndexFp8Rows
 from .triton_support import runs_on
 
@@ -70,7 +70,7 @@ def paged_index_scores(qi: Tensor, head_weights: Tensor, buf: Tensor, layout: In
     if T == 0 or N == 0:
         return out
     blocks = -(-N // block_n)
-    per = blocks_per_program(T, blocks, _sm_count(qi.device), waves)
+    per = blocks_per_program(T, blocks, sm_count(qi.device), waves)
     flat = buf.reshape(-1, layout.page_bytes)  # the same bytes as e4m3 values and as fp32 scales
     index_scores_kernel[(T, -(-blocks // per))](
         qi.float().contiguous(), head_weights.float().contiguous(), flat.view(torch.float8_e4m3fn),

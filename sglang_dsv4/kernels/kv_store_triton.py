@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .fp8_bits_triton import ceil_log2, e4m3_bits, exp2_int
+
 
 @triton.jit
 def _copy_segment(Src, Buf, dst, width, dst_stride, off, BLOCK: tl.constexpr):
@@ -34,41 +36,7 @@ def store_row_bytes_kernel(Buf, Page, Off, page_stride,
 
 
 # ---- quantise and store in one launch (``kv_store.quantise_store_v4`` / ``quantise_store_index``) ----
-# Integer arithmetic on the float bits throughout: the power-of-two scales and the e4m3 / bf16
-# roundings are exact (round to nearest even), the same bytes as torch's casts on any device, and
-# the interpreter (whose float8 and bfloat16 casts truncate) runs the same code as the GPU.
-
-@triton.jit
-def _ceil_log2(y):
-    """ceil(log2(y)) of positive normal fp32 y, exactly: its exponent, + 1 unless a power of two."""
-    b = y.to(tl.int32, bitcast=True)
-    e = ((b >> 23) & 0xFF) - 127
-    return tl.where((b & 0x7FFFFF) != 0, e + 1, e)
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as fp32 for integer e in the normal range."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_bits(q):
-    """The e4m3fn byte of fp32 q (|q| <= 448), rounded to nearest even, sign kept (-0 too)."""
-    b = q.to(tl.int32, bitcast=True)
-    sign = (b >> 24) & 0x80
-    a = tl.abs(q)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    quantum = _pow2(tl.maximum(e, -6) - 3)  # 3 mantissa bits; subnormals below 2^-6 in steps of 2^-9
-    r = a / quantum                          # exact: a power-of-two division, r < 16
-    r = (r + 12582912.0) - 12582912.0        # rint (1.5 * 2^23): round to nearest even
-    v = r * quantum
-    vb = v.to(tl.int32, bitcast=True)
-    ev = ((vb >> 23) & 0xFF) - 127
-    normal = ((ev + 7) << 3) | ((vb >> 20) & 0x7)
-    sub = r.to(tl.int32)  # below 2^-6 (then e < -6) the quantum is 2^-9: the mantissa is r itself
-    return (tl.where(v >= 0.015625, normal, sub) | sign).to(tl.uint8)
-
+# Integer arithmetic on the float bits throughout (``fp8_bits_triton``).
 
 @triton.jit
 def quantise_store_v4_kernel(X, x_stride, Buf, Page, Off, page_stride, scales_base,
@@ -86,9 +54,9 @@ def quantise_store_v4_kernel(X, x_stride, Buf, Page, Off, page_stride, scales_ba
     live = col < NOPE
     x = tl.load(X + t * x_stride + col, mask=live, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-    e = _ceil_log2(amax / 448.0)
-    q = tl.minimum(tl.maximum(x / _pow2(e)[:, None], -448.0), 448.0)
-    tl.store(row + col, _e4m3_bits(q), mask=live)
+    e = ceil_log2(amax / 448.0)
+    q = tl.minimum(tl.maximum(x / exp2_int(e)[:, None], -448.0), 448.0)
+    tl.store(row + col, e4m3_bits(q), mask=live)
     sb = tl.arange(0, SCALE_BYTES)
     sc = tl.sum(tl.where(tile[:, None] == sb[None, :], (e + 127)[:, None], 0), axis=0)  # byte j: tile j's
     sc = tl.where(sb < NOPE // 64, sc, 0)
@@ -109,9 +77,9 @@ def quantise_store_index_kernel(X, x_stride, Buf, Page, Off, page_stride, scales
     off = tl.load(Off + t).to(tl.int64)
     j = tl.arange(0, DIM)
     x = tl.load(X + t * x_stride + j).to(tl.float32)
-    e = _ceil_log2(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0)
-    q = tl.minimum(tl.maximum(x / _pow2(e), -448.0), 448.0)
-    tl.store(Buf + page * page_stride + off * DIM + j, _e4m3_bits(q))
+    e = ceil_log2(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0)
+    q = tl.minimum(tl.maximum(x / exp2_int(e), -448.0), 448.0)
+    tl.store(Buf + page * page_stride + off * DIM + j, e4m3_bits(q))
     s = (e + 127) << 23  # the scale's fp32 bits, little-endian bytes
     b = tl.arange(0, 4)
     tl.store(Buf + page * page_stride + scales_base + off * 4 + b, ((s >> (8 * b)) & 0xFF).to(tl.uint8))

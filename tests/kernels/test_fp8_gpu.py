@@ -182,6 +182,42 @@ def test_grouped_fp8_experts_match_the_reference_gemm(first, local, monkeypatch)
         assert err.median() < 1e-2 and err.max() < 5e-2, (err.median().item(), err.max().item())
 
 
+@pytest.mark.parametrize("first, local", [(0, 32), (16, 16)])
+def test_the_swiglu_epilogue_gives_the_two_step_path(first, local, monkeypatch):
+    """GEMM 1 with the gated SwiGLU and quantisation as its epilogue (``fp8_moe.swiglu_gemm``)
+    against the GEMM kernel and the region that ships (``_gated_swiglu_quantised``, compiled where
+    the regions are on), V4-Flash expert shapes: the same GEMM arithmetic, so the scales and e4m3
+    bytes agree but where the SiLU's rounding moves a value across a rounding boundary (reported:
+    none under the interpreter's exact arithmetic, tests/kernels/test_fp8_weights.py); the routed
+    experts' output with ``FUSED_SWIGLU`` within the activation requantisation's tolerance."""
+    g = torch.Generator(device=DEV).manual_seed(4)
+    D, I, E, k = 4096, 2048, 32, 6
+    stack, _ = stack_fp8_experts([_fp8(I, D, g) for _ in range(local)], [_fp8(I, D, g) for _ in range(local)],
+                                 [_fp8(D, I, g) for _ in range(local)])
+    for T in (16, 64, 300):
+        x = torch.randn(T, D, generator=g, device=DEV)
+        chosen = torch.rand(T, E, generator=g, device=DEV).argsort(1)[:, :k]
+        gates = torch.rand(T, k, generator=g, device=DEV)
+        A, M = fp8_moe.grouped_rows(T * k, local)
+        assert fp8_moe.swiglu_epilogue_fits(M, stack, A, x.device), (T, A, M)
+        tok, be, _, gr = fp8_moe._row_layout(chosen, gates, first, local, A, M)
+        xq, xs = fp8_linear_mod.quantize_act(x)
+        h = fp8_linear_mod.fp8_gemm(xq, xs, stack.w13, torch.float32, rows=tok, block_expert=be, block_m=A)
+        yq0, ys0 = fp8_moe._gated_swiglu_quantised(h, gr, stack.inter, stack.inter_padded, 10.0)
+        yq1, ys1 = fp8_moe.swiglu_gemm(xq, xs, stack, tok, be, gr, A, 10.0)
+        bytes_differ = (yq0.view(torch.uint8) != yq1.view(torch.uint8)).float().mean().item()
+        scales_differ = (ys0 != ys1).float().mean().item()
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(fp8_moe, "FUSED_SWIGLU", on)
+            outs.append(fp8_grouped_experts(x, chosen, gates, stack, first, 10.0))
+        err = _rel(outs[1], outs[0])
+        report("fp8_swiglu_epilogue_vs_two_step", tokens=T, first=first, local=local, bytes_differ=bytes_differ,
+               scales_differ=scales_differ, equal=torch.equal(*outs), max_rel_err=err.max().item())
+        assert bytes_differ < 1e-3 and scales_differ < 1e-3, (bytes_differ, scales_differ)
+        assert err.max() < 2e-2, err.max().item()
+
+
 def test_a_folded_shared_expert_gives_the_unfolded_moe(tiny_path, monkeypatch):
     """Each layer's MoE with the shared expert folded into the fp8 expert stack (one grouped pass,
     k + 1 slots) against the routed grouped pass plus the dense shared expert, compiled regions
@@ -313,15 +349,18 @@ def test_logits_against_the_bf16_path(which, tiny_path, serving_rows):
         assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
 
 
-@pytest.mark.parametrize("fold,streams,fused_write", [(False, False, False), (True, False, False),
-                                                      (False, True, False), (False, False, True)])
-def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, streams, fused_write,
+@pytest.mark.parametrize("fold,streams,fused_write,swiglu", [
+    (False, False, False, False), (True, False, False, False), (False, True, False, False),
+    (False, False, True, False), (False, False, False, True)])
+def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, streams, fused_write, swiglu,
                                                         monkeypatch):
     """With each opt-in switch of the fp8 step: ``fold``, the shared expert folded into the expert
     stacks (``fp8_moe.FOLD_SHARED``); ``streams``, a layer's chains on side streams
     (``core.branches``); ``fused_write``, KV rows quantised in their store's launch
-    (``kv_store.FUSED_WRITE``)."""
+    (``kv_store.FUSED_WRITE``); ``swiglu``, the experts' SwiGLU as GEMM 1's epilogue
+    (``fp8_moe.FUSED_SWIGLU``)."""
     monkeypatch.setattr(fp8_moe, "FOLD_SHARED", fold)
+    monkeypatch.setattr(fp8_moe, "FUSED_SWIGLU", swiglu)
     monkeypatch.setattr(branches, "ENABLED", streams)
     monkeypatch.setattr(kv_store, "FUSED_WRITE", fused_write)
     cfg, path = _source("tiny", tiny_path)

@@ -383,6 +383,55 @@ def test_triton_kernel_interpreted(triton_interpreted):
     assert worst < 1e-5, worst
 
 
+_SWIGLU_EPILOGUE = r"""
+import torch
+from sglang_dsv4.kernels import fp8_moe
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm, quantize_act
+from sglang_dsv4.kernels.fp8_moe import (_gated_swiglu_quantised, _row_layout, fp8_grouped_experts, stack_fp8_experts,
+                                         swiglu_epilogue_fits, swiglu_gemm)
+from sglang_dsv4.quant import quantize_fp8_blockwise
+torch.manual_seed(0)
+mk = lambda n, k: Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k) * k ** -0.5))
+worst = 0
+# I = 160: w1 | w3 padded to 256 rows each; limit 0: no clamp; 0.5: most values clamped; experts
+# 1..E held of 0..E+1 (pairs held elsewhere); 64-row blocks past the last group (-1)
+for E, D, I, T, k, limit in [(6, 256, 160, 19, 3, 10.0), (4, 384, 256, 40, 2, 0.0), (5, 256, 128, 7, 2, 0.5)]:
+    stack, _ = stack_fp8_experts([mk(I, D) for _ in range(E)], [mk(I, D) for _ in range(E)],
+                                 [mk(D, I) for _ in range(E)])
+    x = torch.randn(T, D) * 3
+    chosen = torch.stack([torch.randperm(E + 2)[:k] for _ in range(T)])
+    gates = torch.rand(T, k)
+    xq, xs = quantize_act(x)
+    for A in (16, 64):
+        M = -(-(chosen.numel() + min(chosen.numel(), E) * (A - 1)) // A) * A
+        assert swiglu_epilogue_fits(M, stack, A, x.device)
+        tok, be, _, gr = _row_layout(chosen, gates, 1, E, A, M)
+        h = fp8_gemm(xq, xs, stack.w13, torch.float32, rows=tok, block_expert=be, block_m=A)
+        two_step = _gated_swiglu_quantised(h, gr, stack.inter, stack.inter_padded, limit)
+        fused = swiglu_gemm(xq, xs, stack, tok, be, gr, A, limit)
+        worst += int(not torch.equal(two_step[1], fused[1]))  # the scales
+        worst += int((two_step[0].view(torch.uint8) != fused[0].view(torch.uint8)).sum())  # the e4m3 bytes
+    outs = []
+    for on in (False, True):
+        fp8_moe.FUSED_SWIGLU = on
+        outs.append(fp8_grouped_experts(x, chosen, gates, stack, 1, limit))
+    worst += int(not torch.equal(*outs))
+# K of 8 blocks over few tiles splits (fp8_linear.split_k): the epilogue does not fit there
+stack, _ = stack_fp8_experts([mk(128, 1024)], [mk(128, 1024)], [mk(1024, 128)])
+worst += int(swiglu_epilogue_fits(32, stack, 16, torch.device("cpu")))
+print("WORST", worst)
+"""
+
+
+def test_the_swiglu_epilogue_gives_the_two_step_bytes(triton_interpreted):
+    """GEMM 1 with V4's gated SwiGLU and quantisation as its epilogue (``fp8_moe.swiglu_gemm``),
+    interpreted, against the GEMM kernel followed by ``_gated_swiglu_quantised`` in torch: the same
+    scales and e4m3 bytes (clamped and unclamped, padded w1 | w3, padding rows and blocks, pairs
+    held elsewhere), so the routed experts' output with ``FUSED_SWIGLU`` is the same tensor; and
+    where K would be split the epilogue is not taken."""
+    assert triton_interpreted(_SWIGLU_EPILOGUE) == 0
+
+
 _TRACED = r"""
 import torch
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_op, fp8_linear, quantize_act
