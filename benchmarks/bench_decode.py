@@ -53,6 +53,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -469,15 +470,23 @@ def main(argv: list[str] | None = None) -> int:
                             cfg, w, batch, ctx, 2 * args.steps, device, graphs=p.startswith("graphs"),
                             deterministic=p.endswith("-det"))))
                 for make in paths:
-                    path = make()
-                    torch.cuda.synchronize()
-                    t_pre = time.perf_counter()
-                    path.prefill(2048)
-                    torch.cuda.synchronize()
-                    prefill_s = time.perf_counter() - t_pre  # the first path of a config includes compilation
-                    ms = time_steps(path, args.steps) * 1e3
-                    piped = time_pipelined(path, args.steps) * 1e3
-                    prof = profile_step(path)
+                    try:
+                        path = make()
+                        torch.cuda.synchronize()
+                        t_pre = time.perf_counter()
+                        path.prefill(2048)
+                        torch.cuda.synchronize()
+                        prefill_s = time.perf_counter() - t_pre  # the first path of a config includes compilation
+                        ms = time_steps(path, args.steps) * 1e3
+                        piped = time_pipelined(path, args.steps) * 1e3
+                        prof = profile_step(path)
+                    except Exception as e:  # one path's failure (a switch's capture, say) ends only its row
+                        print(f"| {cname} | {batch} | {ctx} | (failed) | {mode} | {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''} |", flush=True)
+                        traceback.print_exc()
+                        path = None
+                        torch.cuda.empty_cache()
+                        continue
                     ratio = "" if before is None else f"{before / ms:.1f}x"
                     if path.name == "before":
                         before = ms
