@@ -40,3 +40,18 @@ def e4m3_bits(q):
     normal = ((ev + 7) << 3) | ((vb >> 20) & 0x7)
     sub = r.to(tl.int32)  # below 2^-6 (then e < -6) the quantum is 2^-9: the mantissa is r itself
     return (tl.where(v >= 0.015625, normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_groups(x, floor):
+    """A [groups, size] fp32 tile quantised one group per row, V4's ue8m0 rule: scale 2^e, e =
+    ceil(log2(max(amax, floor) / 448)) -> (the e4m3 bytes [groups, size], e [groups])."""
+    e = ceil_log2(tl.maximum(tl.max(tl.abs(x), axis=1), floor) / 448.0)
+    return e4m3_bits(tl.minimum(tl.maximum(x / exp2_int(e)[:, None], -448.0), 448.0)), e
+
+
+@triton.jit
+def bf16_bits(x):
+    """The bf16 bits (low 16 of an int32) of finite fp32 x, rounded to nearest even."""
+    b = x.to(tl.int32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16

@@ -9,7 +9,17 @@ GEMM with V4's gated SwiGLU and the activation quantisation as its epilogue (``f
 import triton
 import triton.language as tl
 
-from .fp8_bits_triton import ceil_log2, e4m3_bits, exp2_int
+from .fp8_bits_triton import e4m3_groups, exp2_int
+
+
+@triton.jit
+def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program ``pid``'s output tile (pid_m, pid_n), GROUP_M row tiles at a time (L2 reuse of the
+    weight columns across neighbouring programs)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    return first_pid_m + (pid % group_size_m), (pid % num_pid_in_group) // group_size_m
 
 
 @triton.jit(do_not_specialize=["M", "stride_cs"])  # one compile for every row count
@@ -23,16 +33,8 @@ def fp8_block_gemm_kernel(
     """C[m] = sum_k dequant(A[row(m)]) * dequant(B[e(m)])^T; row(m) = Rows[m] (-1: a zero row)
     or m; e(m) = BlockExpert[m // BLOCK_M] (-1: the block is written as zeros) or 0. Program
     (pid, s) sums K blocks s*KB_PER .. (s+1)*KB_PER-1 into C + s * stride_cs."""
-    pid = tl.program_id(axis=0)
     pid_k = tl.program_id(axis=1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(axis=0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,27 +102,15 @@ def fp8_swiglu_gemm_kernel(
     and the group of BLOCK_K values (= ``quantize_act``'s group): e4m3 bytes to Yq [M, IP] and the
     power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) to Ys [M, IP / BLOCK_K]. Rows of a
     block with no expert (-1) and padding rows (-1 in Rows) get y = 0, as the two-step path."""
-    pid = tl.program_id(axis=0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = IP // BLOCK_K
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = _grouped_tile(tl.program_id(axis=0), tl.cdiv(M, BLOCK_M), num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_K + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    out_rows = offs_m.to(tl.int64)
-    yq_ptrs = Yq + out_rows[:, None] * stride_ym + offs_n[None, :]
-    ys_ptrs = Ys + out_rows * stride_ysm + pid_n
     e = tl.load(BlockExpert + pid_m).to(tl.int64)
-    if e < 0:  # y = 0: zero bytes, the floor's scale
-        tl.store(yq_ptrs, tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.uint8), mask=m_ok[:, None])
-        tl.store(ys_ptrs, exp2_int(ceil_log2(tl.full((BLOCK_M,), 1e-4, tl.float32) / 448.0)), mask=m_ok)
-        return
+    # a block with no expert (-1) sums no K block: y = 0, stored as the two-step path stores it
+    k_blocks = tl.where(e >= 0, tl.cdiv(K, BLOCK_K), 0)
+    e = tl.maximum(e, 0)
     rows = tl.load(Rows + offs_m, mask=m_ok, other=-1)
     row_ok = rows >= 0
     rows = tl.where(row_ok, rows, 0).to(tl.int64)
@@ -133,7 +123,7 @@ def fp8_swiglu_gemm_kernel(
     bsu_ptrs = bsg_ptrs + num_pid_n * stride_bsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(0, k_blocks):
         k_ok = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
@@ -150,9 +140,7 @@ def fp8_swiglu_gemm_kernel(
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     gate = tl.load(GateOfRow + offs_m, mask=m_ok, other=0.0)
-    y = ((g * tl.sigmoid(g)) * u) * gate[:, None]
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
-    ex = ceil_log2(amax / 448.0)
-    q = tl.minimum(tl.maximum(y / exp2_int(ex)[:, None], -448.0), 448.0)
-    tl.store(yq_ptrs, e4m3_bits(q), mask=m_ok[:, None])
-    tl.store(ys_ptrs, exp2_int(ex), mask=m_ok)
+    q, ex = e4m3_groups(((g * tl.sigmoid(g)) * u) * gate[:, None], 1e-4)
+    out_rows = offs_m.to(tl.int64)
+    tl.store(Yq + out_rows[:, None] * stride_ym + offs_n[None, :], q, mask=m_ok[:, None])
+    tl.store(Ys + out_rows * stride_ysm + pid_n, exp2_int(ex), mask=m_ok)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .fp8_bits_triton import ceil_log2, e4m3_bits, exp2_int
+from .fp8_bits_triton import bf16_bits, ceil_log2, e4m3_bits, e4m3_groups, exp2_int
 
 
 @triton.jit
@@ -53,17 +53,14 @@ def quantise_store_v4_kernel(X, x_stride, Buf, Page, Off, page_stride, scales_ba
     col = tile[:, None] * 64 + tl.arange(0, 64)[None, :]
     live = col < NOPE
     x = tl.load(X + t * x_stride + col, mask=live, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-    e = ceil_log2(amax / 448.0)
-    q = tl.minimum(tl.maximum(x / exp2_int(e)[:, None], -448.0), 448.0)
-    tl.store(row + col, e4m3_bits(q), mask=live)
+    q, e = e4m3_groups(x, 1e-4)
+    tl.store(row + col, q, mask=live)
     sb = tl.arange(0, SCALE_BYTES)
     sc = tl.sum(tl.where(tile[:, None] == sb[None, :], (e + 127)[:, None], 0), axis=0)  # byte j: tile j's
     sc = tl.where(sb < NOPE // 64, sc, 0)
     tl.store(Buf + page * page_stride + scales_base + off * SCALE_BYTES + sb, sc.to(tl.uint8))
     j = tl.arange(0, ROPE)
-    rb = tl.load(X + t * x_stride + NOPE + j).to(tl.float32).to(tl.int32, bitcast=True)
-    rb = (rb + 0x7FFF + ((rb >> 16) & 1)) >> 16  # bf16, round to nearest even (finite values)
+    rb = bf16_bits(tl.load(X + t * x_stride + NOPE + j).to(tl.float32))
     tl.store(row + NOPE + 2 * j, (rb & 0xFF).to(tl.uint8))
     tl.store(row + NOPE + 2 * j + 1, ((rb >> 8) & 0xFF).to(tl.uint8))
 

@@ -82,6 +82,24 @@ def _fp8(n: int, k: int, g: torch.Generator) -> Fp8Weight:
     return Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5))
 
 
+# V4-Flash's routed experts: hidden size, intermediate size, experts, experts a token
+FLASH_D, FLASH_I, FLASH_E, FLASH_K = 4096, 2048, 32, 6
+
+
+def _flash_experts(local: int, g: torch.Generator):
+    """``local`` random fp8 experts of V4-Flash's shapes, stacked (``stack_fp8_experts``)."""
+    D, I = FLASH_D, FLASH_I
+    return stack_fp8_experts([_fp8(I, D, g) for _ in range(local)], [_fp8(I, D, g) for _ in range(local)],
+                             [_fp8(D, I, g) for _ in range(local)])[0]
+
+
+def _flash_tokens(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """T random tokens routed to FLASH_K distinct of FLASH_E experts -> (x, chosen, gates)."""
+    x = torch.randn(T, FLASH_D, generator=g, device=DEV)
+    chosen = torch.rand(T, FLASH_E, generator=g, device=DEV).argsort(1)[:, :FLASH_K]
+    return x, chosen, torch.rand(T, FLASH_K, generator=g, device=DEV)
+
+
 def test_fp8_can_run_here():
     assert weight_mode.fp8_missing(DEV) is None
     mode, why = select_weight_mode("fp8", DEV, V4Config())
@@ -130,13 +148,9 @@ def test_grouped_fp8_experts_fused_regions_give_the_eager_result(first, local, m
     regions) against the same functions eager, the GEMMs the same kernel: the layout is integers
     (equal), the rest elementwise (Inductor's SiLU may round differently, then flip an e4m3 bin)."""
     g = torch.Generator(device=DEV).manual_seed(2)
-    D, I, E, k = 4096, 2048, 32, 6
-    stack, _ = stack_fp8_experts([_fp8(I, D, g) for _ in range(local)], [_fp8(I, D, g) for _ in range(local)],
-                                 [_fp8(D, I, g) for _ in range(local)])
+    stack, k = _flash_experts(local, g), FLASH_K
     for T in (1, 64, 300):
-        x = torch.randn(T, D, generator=g, device=DEV)
-        chosen = torch.rand(T, E, generator=g, device=DEV).argsort(1)[:, :k]
-        gates = torch.rand(T, k, generator=g, device=DEV)
+        x, chosen, gates = _flash_tokens(T, g)
         A, M = fp8_moe.grouped_rows(T * k, local)
         fused_layout = fp8_moe._row_layout(chosen, gates, first, local, A, M)
         fused = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
@@ -157,13 +171,9 @@ def test_grouped_fp8_experts_match_the_reference_gemm(first, local, monkeypatch)
     """The grouped kernel vs the same layout through the torch GEMM (V4-Flash expert shapes, k=6,
     all experts or an EP share)."""
     g = torch.Generator(device=DEV).manual_seed(1)
-    D, I, E, k = 4096, 2048, 32, 6
-    stack, _ = stack_fp8_experts([_fp8(I, D, g) for _ in range(local)], [_fp8(I, D, g) for _ in range(local)],
-                                 [_fp8(D, I, g) for _ in range(local)])
+    stack = _flash_experts(local, g)
     for T in (1, 7, 64, 300):
-        x = torch.randn(T, D, generator=g, device=DEV)
-        chosen = torch.rand(T, E, generator=g, device=DEV).argsort(1)[:, :k]
-        gates = torch.rand(T, k, generator=g, device=DEV)
+        x, chosen, gates = _flash_tokens(T, g)
         got = fp8_grouped_experts(x, chosen, gates, stack, first, 10.0)
         with monkeypatch.context() as mp:
             mp.setattr(fp8_moe, "fp8_gemm", fp8_gemm_reference)
@@ -191,13 +201,9 @@ def test_the_swiglu_epilogue_gives_the_two_step_path(first, local, monkeypatch):
     none under the interpreter's exact arithmetic, tests/kernels/test_fp8_weights.py); the routed
     experts' output with ``FUSED_SWIGLU`` within the activation requantisation's tolerance."""
     g = torch.Generator(device=DEV).manual_seed(4)
-    D, I, E, k = 4096, 2048, 32, 6
-    stack, _ = stack_fp8_experts([_fp8(I, D, g) for _ in range(local)], [_fp8(I, D, g) for _ in range(local)],
-                                 [_fp8(D, I, g) for _ in range(local)])
+    stack, k = _flash_experts(local, g), FLASH_K
     for T in (16, 64, 300):
-        x = torch.randn(T, D, generator=g, device=DEV)
-        chosen = torch.rand(T, E, generator=g, device=DEV).argsort(1)[:, :k]
-        gates = torch.rand(T, k, generator=g, device=DEV)
+        x, chosen, gates = _flash_tokens(T, g)
         A, M = fp8_moe.grouped_rows(T * k, local)
         assert fp8_moe.swiglu_epilogue_fits(M, stack, A, x.device), (T, A, M)
         tok, be, _, gr = fp8_moe._row_layout(chosen, gates, first, local, A, M)
