@@ -23,7 +23,10 @@ step's host work, when the GPU waits, count against it),
 the step's roofline (bytes it must read: the matrices it touches, the experts its tokens route to,
 the window and the compressed entries it attends to, the indexer keys it scores; over the
 device-to-device copy bandwidth measured in the same run), step / roofline and pipelined / roofline
-(the step as an overlap scheduler sees it, its host work hidden behind the GPU's); prefill s: the
+(the step as an overlap scheduler sees it, its host work hidden behind the GPU's), floor ms and
+step / floor (``step_floor``: each GEMM and attention read bound by its bytes or by its FLOPs over
+the matmul peak measured in the same run, ``matmul_peaks``, whichever is larger: where batch 256's
+GEMMs turn compute-bound, the limit the bytes-only roofline understates); prefill s: the
 context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops).
 
 ``--switches default,hc_fused_pre,fp8_cublas``: each new path once per set of the opt-in GPU
@@ -165,6 +168,92 @@ def step_bytes(cfg: V4Config, w: dict[str, torch.Tensor], batch: int, ctx: int) 
             kv += ctx // 128 * V4_TOKEN_BYTES
         total += batch * kv
     return total
+
+
+def _matrix_floor(bw: float, peaks: dict[torch.dtype, float], nbytes: float, flops: float, dtype) -> float:
+    """One GEMM's floor, s: its bytes over the copy bandwidth or its FLOPs over the matmul peak
+    of its operands' dtype (fp8 or bf16; fp32 weights, the hyper-connection mixes, at bf16's),
+    whichever is larger."""
+    return max(nbytes / bw, flops / peaks.get(dtype, peaks[torch.bfloat16]))
+
+
+def step_floor(cfg: V4Config, w: dict, batch: int, ctx: int, bw: float, peaks: dict[torch.dtype, float]) -> float:
+    """The step's floor in seconds when every GEMM and attention read may be bound by its FLOPs as
+    well as its bytes: per weight matrix max(bytes / copy bandwidth, FLOPs / matmul peak), the
+    routed experts of a layer as one grouped GEMM (the experts the batch touches, B * k expert
+    rows of FLOPs), per layer the attention's KV bytes against its dots (bf16), summed. The
+    bytes-only ``step_bytes`` roofline is the floor where a step is byte-bound (small batches);
+    at batch 256 on flash8 (32 experts: ~48 rows an expert) the GEMMs' FLOPs bind, and the
+    floor says by how much the bytes-only figure understates the hardware's limit."""
+    from sglang_dsv4.kernels.fp8_linear import Fp8Weight
+
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** batch)
+    expert_bytes, expert_numel, expert_dtype = {}, {}, {}
+    total = 0.0
+    for name, t in w.items():
+        if name.endswith(_STACKED) or name.startswith("mtp."):
+            continue
+        numel = t.q.numel() if isinstance(t, Fp8Weight) else t.numel()
+        dtype = torch.float8_e4m3fn if isinstance(t, Fp8Weight) else t.dtype
+        if ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
+            layer = name.split(".ffn.")[0]
+            expert_bytes[layer] = expert_bytes.get(layer, 0) + weight_nbytes(t)
+            expert_numel[layer] = expert_numel.get(layer, 0) + numel
+            expert_dtype[layer] = dtype
+        elif name == "embed.weight":
+            total += batch * t.shape[1] * t.element_size() / bw
+        elif isinstance(t, Fp8Weight) or (t.dim() == 2 and t.is_floating_point() and not name.endswith(".ape")):
+            total += _matrix_floor(bw, peaks, weight_nbytes(t), 2 * batch * numel, dtype)  # every token x it
+        else:
+            total += weight_nbytes(t) / bw  # norms, biases, tables: read, not multiplied
+    for layer, b in expert_bytes.items():
+        flops = 2 * batch * k * expert_numel[layer] / E  # each token through k experts' matrices
+        total += _matrix_floor(bw, peaks, b / E * touched, flops, expert_dtype[layer])
+    H, Dh, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    for r in cfg.layer_ratios:
+        keys, kv = W, W * V4_TOKEN_BYTES
+        if r == 4:
+            n = ctx // 4
+            keys += min(n, cfg.index_topk)
+            kv += min(n, cfg.index_topk) * V4_TOKEN_BYTES
+            # the indexer scores every visible entry: its fp8 keys (+ scale) against Hi heads
+            total += _matrix_floor(bw, peaks, batch * n * (cfg.index_head_dim + 4),
+                                   2 * batch * cfg.index_n_heads * cfg.index_head_dim * n, torch.float8_e4m3fn)
+        elif r == 128:
+            keys += ctx // 128
+            kv += ctx // 128 * V4_TOKEN_BYTES
+        total += _matrix_floor(bw, peaks, batch * kv, 4 * batch * H * Dh * keys, torch.bfloat16)  # QK and PV
+    return total
+
+
+def matmul_peaks(device: str) -> dict[torch.dtype, float]:
+    """Dense matmul FLOP/s measured here: bf16 (an 8192^3 matmul) and fp8 (an 8192^3
+    ``torch._scaled_mm``, e4m3 with per-tensor scales; the block-scaled kernels this model runs
+    cannot beat it). fp8 falls back to bf16's rate where ``_scaled_mm`` does not run."""
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+
+    def rate(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        return 10 * 2 * n**3 / (time.perf_counter() - t)
+
+    peaks = {torch.bfloat16: rate(lambda: a @ b)}
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device=device)
+        peaks[torch.float8_e4m3fn] = rate(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError) as e:  # no fp8 tensor cores (pre-Hopper) or no _scaled_mm
+        print(f"fp8 matmul peak not measured ({type(e).__name__}): fp8 GEMMs counted at bf16's rate", flush=True)
+        peaks[torch.float8_e4m3fn] = peaks[torch.bfloat16]
+    return peaks
 
 
 def kernel_note() -> str:
@@ -441,12 +530,15 @@ def main(argv: list[str] | None = None) -> int:
         for sub in ("config", "core.model", "core.cache"):
             importlib.import_module(f"sglang_dsv4_old.{sub}")
     bw = copy_bandwidth(device)
+    peaks = matmul_peaks(device)
     rows = []
     header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
-              "| GPU busy % | busy % profiled | roofline ms | step / roofline | pipelined / roofline | vs before | prefill s |")
+              "| GPU busy % | busy % profiled | roofline ms | step / roofline | pipelined / roofline | floor ms | step / floor "
+              "| vs before | prefill s |")
     import sglang_dsv4  # which tree this process measures (a "before" run must not be this one)
     print(f"package {Path(sglang_dsv4.__file__).parent}", flush=True)
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()}); {kernel_note()}", flush=True)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s, matmul peaks bf16 {peaks[torch.bfloat16] / 1e12:.0f} / fp8 "
+          f"{peaks[torch.float8_e4m3fn] / 1e12:.0f} TFLOP/s ({torch.cuda.get_device_name()}); {kernel_note()}", flush=True)
     separator = "|---" * (header.count("|") - 1) + "|"
     print(header + "\n" + separator, flush=True)
     for cname in args.configs.split(","):
@@ -460,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"(budget reached: {cname} B={batch} ctx={ctx} and later cases not run)", flush=True)
                     break
                 roof = step_bytes(cfg, w, batch, ctx) / bw
+                floor = step_floor(cfg, w, batch, ctx, bw, peaks)
                 before = None
                 paths = []
                 if old is not None and batch <= args.old_max_batch and mode == "bf16":
@@ -493,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                     line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
                             f"{piped:.2f} | {prof.launches:.0f} | {prof.syncs:.1f} | {prof.busy_of(piped):.0f} | "
                             f"{prof.busy_profiled:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {piped / (roof * 1e3):.1f} | "
-                            f"{ratio} | {prefill_s:.2f} |")
+                            f"{floor * 1e3:.3f} | {ms / (floor * 1e3):.1f} | {ratio} | {prefill_s:.2f} |")
                     rows.append(line)
                     print(line, flush=True)
                     del path
@@ -503,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_summary()
     print(compiled, flush=True)
     if args.out:
-        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n{header}\n{separator}\n" + "\n".join(rows)
+        args.out.write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s, matmul peaks bf16 {peaks[torch.bfloat16] / 1e12:.0f} "
+                            f"/ fp8 {peaks[torch.float8_e4m3fn] / 1e12:.0f} TFLOP/s\n\n{header}\n{separator}\n" + "\n".join(rows)
                             + f"\n\n{compiled}\n")
     return 0
 
