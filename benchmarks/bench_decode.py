@@ -38,7 +38,9 @@ naming the set (``graphs+fp8_cublas``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSE
 ``SGLANG_DSV4_KV_FUSED_WRITE=1`` (the KV rows quantised inside their store's launch, ``kernels.kv_store``),
 ``branch_streams`` = ``SGLANG_DSV4_BRANCH_STREAMS=1`` (a layer's independent chains on side
 streams, ``core.branches``), ``moe_fused_swiglu`` = ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1`` (the routed
-experts' SwiGLU as GEMM 1's epilogue, ``kernels.fp8_moe``). The switches are read per call; a path's graphs keep what was on
+experts' SwiGLU as GEMM 1's epilogue, ``kernels.fp8_moe``), ``stack_x`` = ``SGLANG_DSV4_STACK_X=1``
+(an attention sublayer's input matrices stacked by storage kind, one GEMM each, ``core.ops``; read
+when a path's model is built). The switches are read per call; a path's graphs keep what was on
 while they were captured.
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
@@ -282,15 +284,17 @@ def copy_bandwidth(device: str) -> float:
 # ---- the opt-in GPU kernels, switched per path ---------------------------------------------------
 
 def _switch_modules() -> dict[str, tuple[object, str]]:
-    from sglang_dsv4.core import branches
+    from sglang_dsv4.core import branches, ops
     from sglang_dsv4.kernels import fp8_cublas, fp8_moe, hc_split, kv_store
 
     return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
             "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE"),
-            "branch_streams": (branches, "ENABLED"), "moe_fused_swiglu": (fp8_moe, "FUSED_SWIGLU")}
+            "branch_streams": (branches, "ENABLED"), "moe_fused_swiglu": (fp8_moe, "FUSED_SWIGLU"),
+            "stack_x": (ops, "STACK_X")}
 
 
-SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "branch_streams", "moe_fused_swiglu")
+SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "branch_streams", "moe_fused_swiglu",
+            "stack_x")
 
 
 def switched(variant: str | None, make):

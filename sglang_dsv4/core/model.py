@@ -128,6 +128,8 @@ class V4Model:
         if (self.weight_mode == "fp8" and self.device.type == "cuda") or ops.grouped_mm_available(
                 self.device, weights["embed.weight"].dtype):
             self._stack_experts()
+        if ops.STACK_X and self.device.type == "cuda":
+            self._stack_x_matrices()
         self.branches = Branches(self.device)  # a layer's independent chains (side streams where on)
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() is called
         self.extend_graphs = None  # ExtendGraphs once enable_cuda_graphs(extend=True) is called
@@ -181,6 +183,15 @@ class V4Model:
                 ops.stack_experts(lw, experts, fold_shared=fold)
                 self.w.update({f"{prefix}.{k}": v for k, v in lw.items()
                                if k.startswith(("ffn.experts.", ops.SHARED_EXPERT + "."))})
+
+    def _stack_x_matrices(self) -> None:
+        """Each attention sublayer's input matrices stacked by storage kind (``ops.stack_x_matrices``:
+        wq_a + wkv, the compressors' + the indexer's), one GEMM each instead of up to seven; the
+        model's per-matrix entries become views of the stacks."""
+        views = [(f"layers.{i}", lw) for i, lw in enumerate(self.layers)] + [(f"mtp.{m}", lw) for m, lw in enumerate(self.mtp)]
+        for prefix, lw in views:
+            if ops.stack_x_matrices(lw):
+                self.w.update({f"{prefix}.{n}": lw[n] for n in ops.X_MATRICES if n in lw})
 
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()
@@ -385,12 +396,15 @@ class V4Model:
         freqs = ops.layer_inv_freqs(cfg, ratio, self.device)  # one set for ratio 0, one for the others
         rope = step.derived(("rope", ratio > 0), lambda: ops.rope_at(pos, freqs))
         backend = self._backend(cache)
+        # x through the stacked input matrices at once, before the chains fork (where stacked)
+        xp = ops.x_projections(x, w) if ops.has_x_stack(w) else {}
 
         def queries():
-            q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype)
-            return q, qr, (ops.indexer_queries(x, qr, w, rope, cfg, qs) if ratio == 4 else None)
+            q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype, xp.get("attn.wq_a.weight"))
+            return q, qr, (ops.indexer_queries(x, qr, w, rope, cfg, qs, xp.get("attn.indexer.weights_proj.weight"))
+                           if ratio == 4 else None)
 
-        parts = [queries, lambda: ops.project_kv(x, w, rope, cfg, qs)]
+        parts = [queries, lambda: ops.project_kv(x, w, rope, cfg, qs, xp.get("attn.wkv.weight"))]
         comp_idx = table = entries = entry_layout = None
         if ratio:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
@@ -400,13 +414,13 @@ class V4Model:
             windows = self._c4_windows(step, freqs)
             for kind, prefix, name in (("main", "attn.compressor", main),
                                        ("index", "attn.indexer.compressor", f"index{layer}")):
-                parts.append(partial(self._c4_compress, cache, step, x, w, cache.c4_index[layer], kind, prefix,
+                parts.append(partial(self._c4_compress, cache, step, x, xp, w, cache.c4_index[layer], kind, prefix,
                                      pool, name, self._write_rows(step, pool, name, 4), windows))
         elif ratio == 128:
             layout = pool.layouts[main]
             dst, comp_idx = step.derived(("c128_entries", table.shape[1], layout.page_size),
                                          lambda: _c128_rows(step, pool.scratch_row, table.shape[1], visible, layout))
-            parts.append(partial(self._c128_compress, step, x, w, pool, main, dst,
+            parts.append(partial(self._c128_compress, step, x, xp, w, pool, main, dst,
                                  self._c128_segments(step, cache, cache.c128_index[layer], freqs)))
         (q, qr, index_q), kv = self.branches.run(parts)[:2]
         if ratio:
@@ -438,14 +452,15 @@ class V4Model:
         rope = step.derived(("rope_c4_entries",), lambda: ops.rope_at(step.positions - 3, freqs))  # group starts
         return idx, dst, rope
 
-    def _c4_compress(self, cache: V4CacheView, step: StepBatch, x: Tensor, w: dict[str, Tensor], c4: int,
-                     kind: str, prefix: str, pool, name: str, rows,
+    def _c4_compress(self, cache: V4CacheView, step: StepBatch, x: Tensor, xp: dict[str, Tensor],
+                     w: dict[str, Tensor], c4: int, kind: str, prefix: str, pool, name: str, rows,
                      windows: tuple[Tensor, tuple[Tensor, Tensor], ops.Rope]) -> None:
         """One ratio-4 compressor of a layer (``kind`` main or index): per token t at position p,
         the entry its 8-row window (positions p-7..p) pools, finished and written to ``name`` at
         ``rows`` (the scratch row where p completes no group). Then the chunk's last 8 rows of
-        each request become its state (rows at p % 8)."""
-        a, s = ops.compressor_projections(x, w, prefix, step.positions, 4)
+        each request become its state (rows at p % 8). ``xp``: x's stacked projections, if any."""
+        a, s = ops.compressor_projections(x, w, prefix, step.positions, 4, xp.get(f"{prefix}.wkv.weight"),
+                                          xp.get(f"{prefix}.wgate.weight"))
         # this layer's states [slots, 8, 2d] (views); rows before the chunk come from them, rows
         # inside it from the chunk
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"][:, c4], cache.slot_state[f"c4_{kind}_s"][:, c4]
@@ -463,12 +478,13 @@ class V4Model:
         rope = step.derived(("rope_c128_entries",), lambda: ops.rope_at(seg.first_pos, freqs))
         return cache.slot_state["c128"][:, c128], slots, rope
 
-    def _c128_compress(self, step: StepBatch, x: Tensor, w: dict[str, Tensor], pool, name: str, dst,
-                       segments: tuple[Tensor, Tensor, ops.Rope]) -> None:
+    def _c128_compress(self, step: StepBatch, x: Tensor, xp: dict[str, Tensor], w: dict[str, Tensor], pool,
+                       name: str, dst, segments: tuple[Tensor, Tensor, ops.Rope]) -> None:
         """A layer's ratio-128 compressor: online-softmax pooling of every (request, group)
         segment of the step, position by position; the segments' entries written to ``name`` at
         ``dst`` (real where the segment completes its group, else to the scratch row)."""
-        a, s = ops.compressor_projections(x, w, "attn.compressor", step.positions, 128)
+        a, s = ops.compressor_projections(x, w, "attn.compressor", step.positions, 128,
+                                          xp.get("attn.compressor.wkv.weight"), xp.get("attn.compressor.wgate.weight"))
         seg, (state, slots, rope) = step.c128, segments
         run = ops.online_softmax_pool(a, s, seg.tok, ops.c128_start(seg.carry, slots, state, a), seg.width)
         pool.write(name, dst, ops.c128_finish(run, seg.completes, state, seg.store_slot, w, rope, self.cfg,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -21,7 +22,7 @@ from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
-from ..quant import fp4_qat, fp8_qat, hadamard
+from ..quant import FP8_WEIGHT_BLOCK, fp4_qat, fp8_qat, hadamard
 from .compiled import on_gpu
 from .step import CPU_TOKEN_TILE
 
@@ -268,22 +269,102 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
 
 @on_gpu(rows={"x": (0,), "rope": (0,)})
 def project_q(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
-              q_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+              q_dtype: torch.dtype | None = None, xq: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer).
     ``q_dtype``: q rounded to the attention kernel's input dtype here (FlashMLA's bf16), where
-    the rounding fuses with the RoPE instead of costing a pass of its own."""
-    qr = rms_norm(linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], cfg.rms_norm_eps)
+    the rounding fuses with the RoPE instead of costing a pass of its own. ``xq``: x @ wq_a.T
+    computed already (``x_projections``' stacked GEMM)."""
+    xq = linear(x, w["attn.wq_a.weight"]) if xq is None else xq
+    qr = rms_norm(xq, w["attn.q_norm.weight"], cfg.rms_norm_eps)
     q = linear(qr, w["attn.wq_b.weight"]).view(x.shape[0], -1, cfg.head_dim)
     q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), rope)
     return (q if q_dtype is None else q.to(q_dtype)), qr
 
 
 @on_gpu(rows={"x": (0,), "rope": (0,)})
-def project_kv(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config, quant_sim: bool) -> Tensor:
-    """x: [T, D] -> window KV [T, Dh] (one shared head; K = V)."""
-    kv = rms_norm(linear(x, w["attn.wkv.weight"]), w["attn.kv_norm.weight"], cfg.rms_norm_eps)
+def project_kv(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config, quant_sim: bool,
+               xkv: Tensor | None = None) -> Tensor:
+    """x: [T, D] -> window KV [T, Dh] (one shared head; K = V). ``xkv``: x @ wkv.T computed
+    already (``x_projections``)."""
+    xkv = linear(x, w["attn.wkv.weight"]) if xkv is None else xkv
+    kv = rms_norm(xkv, w["attn.kv_norm.weight"], cfg.rms_norm_eps)
     kv = apply_rope(kv, rope)
     return _fp8_nope(kv, cfg) if quant_sim else kv
+
+
+# The matrices an attention sublayer applies to its normed input x, in stacking order. Each is a
+# small GEMM of its own (7 in a C4 layer); stacked by storage kind (V4-Flash: wq_a + wkv fp8, the
+# compressors' and the indexer's bf16) they are one GEMM each, and x is quantised / cast once.
+X_MATRICES = ("attn.wq_a.weight", "attn.wkv.weight", "attn.compressor.wkv.weight", "attn.compressor.wgate.weight",
+              "attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight",
+              "attn.indexer.weights_proj.weight")
+X_STACK = "attn.x_stack."  # + storage kind ("fp8", "bfloat16", ...): a layer's stacked matrices
+# opt-in until timed on the GPU (``bench_decode --switches stack_x``): a GPU model stacks them at
+# construction (``V4Model._stack_x_matrices``)
+STACK_X = os.environ.get("SGLANG_DSV4_STACK_X", "0") == "1"
+
+
+def _storage_kind(t: Tensor | Fp8Weight) -> str:
+    return "fp8" if isinstance(t, Fp8Weight) else str(t.dtype).removeprefix("torch.")
+
+
+def _same_storage(a: Tensor | Fp8Weight, b: Tensor | Fp8Weight) -> bool:
+    """``_storage_kind(a) == _storage_kind(b)`` in terms a traced region keeps as constants."""
+    if isinstance(a, Fp8Weight) or isinstance(b, Fp8Weight):
+        return isinstance(a, Fp8Weight) and isinstance(b, Fp8Weight)
+    return a.dtype == b.dtype
+
+
+def _row_slice(t: Tensor | Fp8Weight, start: int, stop: int) -> Tensor | Fp8Weight:
+    """Rows start..stop of a matrix, a view (fp8: start on a scale block's first row)."""
+    if isinstance(t, Fp8Weight):
+        b = FP8_WEIGHT_BLOCK
+        return Fp8Weight(t.q[start:stop], t.scale[start // b:-(-stop // b)])
+    return t[start:stop]
+
+
+def stack_x_matrices(w: dict[str, Tensor]) -> list[str]:
+    """Stack a layer's ``X_MATRICES`` of one storage kind into one matrix (``X_STACK`` + kind) and
+    make their entries row views of it (no second copy). fp8 matrices stack where every one but
+    the last fills whole 128-row scale blocks (V4's do). -> the stacks made."""
+    by_kind: dict[str, list[str]] = {}
+    for name in (n for n in X_MATRICES if n in w):
+        by_kind.setdefault(_storage_kind(w[name]), []).append(name)
+    made = []
+    for kind, names in by_kind.items():
+        mats = [w[n] for n in names]
+        if len(names) < 2 or (kind == "fp8" and any(m.shape[0] % FP8_WEIGHT_BLOCK for m in mats[:-1])):
+            continue
+        if kind == "fp8":
+            stack = Fp8Weight(torch.cat([m.q for m in mats]), torch.cat([m.scale for m in mats]))
+        else:
+            stack = torch.cat(mats)
+        start = 0
+        for n, m in zip(names, mats):
+            w[n] = _row_slice(stack, start, start + m.shape[0])
+            start += m.shape[0]
+        w[X_STACK + kind] = stack
+        made.append(X_STACK + kind)
+    return made
+
+
+def has_x_stack(w: dict[str, Tensor]) -> bool:
+    """Whether the layer ``w`` holds stacked input matrices (``stack_x_matrices``)."""
+    return any(k.startswith(X_STACK) for k in w)
+
+
+@on_gpu(rows={"x": (0,)})
+def x_projections(x: Tensor, w: dict[str, Tensor]) -> dict[str, Tensor]:
+    """x [T, D] times each stacked matrix of the layer (``stack_x_matrices``): one GEMM a stack,
+    its columns cut back into {matrix name: [T, rows]}. Empty where the layer has no stack."""
+    out: dict[str, Tensor] = {}
+    for key in [k for k in w if k.startswith(X_STACK)]:
+        y, start = linear(x, w[key]), 0
+        for name in X_MATRICES:
+            if name in w and _same_storage(w[name], w[key]):
+                rows = w[name].shape[0]
+                out[name], start = y[:, start:start + rows], start + rows
+    return out
 
 
 def _fp8_nope(kv: Tensor, cfg: V4Config) -> Tensor:
@@ -345,11 +426,12 @@ def window_indices(positions: Tensor, window: int, first_pos: int) -> Tensor:
 
 @on_gpu(rows={"x": (0,), "positions": (0,)})
 def compressor_projections(x: Tensor, w: dict[str, Tensor], prefix: str, positions: Tensor,
-                           ratio: int) -> tuple[Tensor, Tensor]:
-    """x: [T, D] -> (a [T, coff*d], s [T, coff*d]); s includes ape[p mod r]."""
-    a = linear(x, w[f"{prefix}.wkv.weight"])
-    s = linear(x, w[f"{prefix}.wgate.weight"]) + w[f"{prefix}.ape"][positions % ratio]
-    return a, s
+                           ratio: int, xa: Tensor | None = None, xs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x: [T, D] -> (a [T, coff*d], s [T, coff*d]); s includes ape[p mod r]. ``xa``, ``xs``: x
+    times the compressor's wkv / wgate computed already (``x_projections``)."""
+    a = linear(x, w[f"{prefix}.wkv.weight"]) if xa is None else xa
+    xs = linear(x, w[f"{prefix}.wgate.weight"]) if xs is None else xs
+    return a, xs + w[f"{prefix}.ape"][positions % ratio]
 
 
 def pool_c4(a: Tensor, s: Tensor) -> Tensor:
@@ -472,14 +554,16 @@ def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, rope: Rope
 
 @on_gpu(rows={"x": (0,), "qr": (0,), "rope": (0,)})
 def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
-                    quant_sim: bool) -> tuple[Tensor, Tensor]:
-    """-> (qI [T, Hi, Di] rotated, Hadamard'ed, FP4; head weights [T, Hi])."""
+                    quant_sim: bool, xw: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """-> (qI [T, Hi, Di] rotated, Hadamard'ed, FP4; head weights [T, Hi]). ``xw``: x @
+    weights_proj.T computed already (``x_projections``)."""
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     qi = linear(qr, w["attn.indexer.wq_b.weight"]).view(-1, Hi, Di)
     qi = hadamard(apply_rope(qi, rope))
     if quant_sim:
         qi = fp4_qat(qi, 32)
-    weights = linear(x, w["attn.indexer.weights_proj.weight"]) * (Di**-0.5 * Hi**-0.5)
+    xw = linear(x, w["attn.indexer.weights_proj.weight"]) if xw is None else xw
+    weights = xw * (Di**-0.5 * Hi**-0.5)
     return qi, weights
 
 

@@ -60,3 +60,80 @@ def test_the_unrolled_stream_sums_equal_the_einsums_to_round_off():
     f, post, comb = torch.randn(T, D, generator=g), torch.rand(T, hc, generator=g), torch.rand(T, hc, hc, generator=g)
     want = post.unsqueeze(-1) * f.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, h)
     assert torch.equal(ops.hc_post(f, h, post, comb), want)  # the CPU: the einsum, unchanged
+
+
+# ---- the stacked input matrices (ops.stack_x_matrices, x_projections) ----------------------------
+
+def _stacked_layers(ckpt):
+    """Each layer view of ``ckpt`` before and after ``stack_x_matrices``."""
+    out = []
+    for i in range(ckpt.config.num_hidden_layers):
+        plain, stacked = ops.layer_view(ckpt.tensors, f"layers.{i}"), ops.layer_view(ckpt.tensors, f"layers.{i}")
+        out.append((plain, stacked, ops.stack_x_matrices(stacked)))
+    return out
+
+
+def _values(t):
+    return t.dequantize() if isinstance(t, ops.Fp8Weight) else t
+
+
+def test_stacked_input_matrices_are_views_and_project_x_as_the_matrices_do(tiny_dir):
+    """fp8 (wq_a + wkv) and bf16 / float32 (the compressors' and the indexer's) stacks on the tiny model:
+    every matrix becomes a row view of its stack holding the same values, and the stacked GEMM's
+    columns are each matrix's own product (the fp8 reference GEMMs on the CPU: summation order
+    apart)."""
+    from sglang_dsv4.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_dir, weight_mode="fp8")
+    x = torch.randn(37, ckpt.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    kinds = set()
+    for plain, stacked, made in _stacked_layers(ckpt):
+        kinds.update(made)
+        got = ops.x_projections(x, stacked)
+        assert set(got) == {n for n in ops.X_MATRICES if n in plain}
+        for name, y in got.items():
+            stack = stacked[next(k for k in made if ops._same_storage(stacked[k], stacked[name]))]
+            view, base = stacked[name], stack
+            if isinstance(view, ops.Fp8Weight):
+                view, base = view.q, base.q
+            assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), name
+            assert torch.equal(_values(stacked[name]), _values(plain[name])), name
+            want = ops.linear(x, plain[name])
+            assert torch.allclose(y, want, rtol=1e-5, atol=1e-6 * want.abs().max().item()), name
+    # the fp8 pair and the compressors' / indexer's matrices (bf16 in the checkpoint; float32 on the CPU)
+    assert kinds == {ops.X_STACK + "fp8", ops.X_STACK + str(ckpt.tensors["layers.1.attn.compressor.wkv.weight"].dtype)[6:]}
+
+
+def test_fp8_matrices_that_would_split_a_scale_block_stay_apart():
+    w8 = lambda n: ops.Fp8Weight(torch.zeros(n, 256).to(torch.float8_e4m3fn), torch.ones(-(-n // 128), 2))
+    layer = {"attn.wq_a.weight": w8(96), "attn.wkv.weight": w8(128)}  # wkv would start mid-block
+    assert ops.stack_x_matrices(layer) == [] and not ops.has_x_stack(layer)
+    layer = {"attn.wq_a.weight": w8(128), "attn.wkv.weight": w8(96)}  # only the last may end mid-block
+    assert ops.stack_x_matrices(layer) == [ops.X_STACK + "fp8"]
+    assert layer["attn.wkv.weight"].scale.shape == (1, 2) and layer["attn.wkv.weight"].q.shape == (96, 256)
+
+
+def test_a_model_with_stacked_input_matrices_gives_the_unstacked_logits(tiny_dir):
+    """``V4Model._stack_x_matrices`` (which a GPU model runs at construction with
+    ``SGLANG_DSV4_STACK_X=1``; called here on the CPU): the model's entries become views and a
+    prefill + decode gives the unstacked model's logits (summation order apart)."""
+    from sglang_dsv4.checkpoint import load_checkpoint
+    from sglang_dsv4.core.cache import V4Cache
+    from sglang_dsv4.core.model import V4Model
+
+    ckpt = load_checkpoint(tiny_dir, weight_mode="fp8")
+    cfg = ckpt.config
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for stack in (False, True):
+        model = V4Model(cfg, dict(ckpt.tensors))
+        if stack:
+            model._stack_x_matrices()
+            assert all(ops.has_x_stack(lw) for lw in model.layers)
+            assert model.w["layers.1.attn.wkv.weight"] is model.layers[1]["attn.wkv.weight"]
+        cache = V4Cache(cfg, max_requests=1, max_total_tokens=256)
+        req = cache.new_request()
+        out[stack] = torch.cat([model.forward(cache, [req], [ids[:18]])[0]] +
+                               [model.forward(cache, [req], [ids[t:t + 1]])[0] for t in range(18, 24)])
+    err = (out[True] - out[False]).norm(dim=-1) / out[False].norm(dim=-1)
+    assert err.max() < 1e-4, err.max()

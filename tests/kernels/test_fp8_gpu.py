@@ -247,6 +247,32 @@ def test_a_folded_shared_expert_gives_the_unfolded_moe(tiny_path, monkeypatch):
             assert err.median() < 1e-3 and err.max() < 5e-2, (layer, T, err.median().item(), err.max().item())
 
 
+def test_stacked_input_matrices_project_as_the_matrices_and_hold_no_second_copy(tiny_path, monkeypatch):
+    """``ops.STACK_X``: each layer's input matrices stacked by storage kind at construction (fp8
+    wq_a + wkv; the compressors' and the indexer's bf16), one GEMM a stack in ``x_projections``
+    (compiled regions on) against each matrix's own ``linear``. The same operands; the GEMMs
+    tile and split K by N (fp32 summation order, and the bf16 GEMMs round their outputs), so
+    the columns agree to ~1e-3 a row, where a wrong slice is of order 1. The stacks replace the
+    matrices (views): the weights' device bytes do not grow."""
+    cfg, path = _source("tiny", tiny_path)
+    models, nbytes = {}, {}
+    for stack in (False, True):
+        monkeypatch.setattr(ops, "STACK_X", stack)
+        models[stack], nbytes[stack] = _load(cfg, "fp8", path)
+    assert nbytes[True] <= nbytes[False] * 1.001 + 2**20, nbytes
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for layer in range(cfg.num_hidden_layers):
+        plain, stacked = models[False].layers[layer], models[True].layers[layer]
+        assert ops.has_x_stack(stacked) and not ops.has_x_stack(plain)
+        for T in (1, 16, 300):
+            x = torch.randn(T, cfg.hidden_size, generator=g, device=DEV)
+            got = ops.x_projections(x, stacked)
+            assert set(got) == {n for n in ops.X_MATRICES if n in plain}
+            for name, y in got.items():
+                err = _rel(y, ops.linear(x, plain[name]))
+                assert err.max() < 1e-2, (layer, T, name, err.max().item())
+
+
 # ---- bytes on the GPU ---------------------------------------------------------------------------
 
 def _flash4() -> V4Config:
@@ -355,16 +381,18 @@ def test_logits_against_the_bf16_path(which, tiny_path, serving_rows):
         assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
 
 
-@pytest.mark.parametrize("fold,streams,fused_write,swiglu", [
-    (False, False, False, False), (True, False, False, False), (False, True, False, False),
-    (False, False, True, False), (False, False, False, True)])
+@pytest.mark.parametrize("fold,streams,fused_write,swiglu,stack_x", [
+    (False, False, False, False, False), (True, False, False, False, False), (False, True, False, False, False),
+    (False, False, True, False, False), (False, False, False, True, False), (False, True, False, False, True)])
 def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, streams, fused_write, swiglu,
-                                                        monkeypatch):
+                                                        stack_x, monkeypatch):
     """With each opt-in switch of the fp8 step: ``fold``, the shared expert folded into the expert
     stacks (``fp8_moe.FOLD_SHARED``); ``streams``, a layer's chains on side streams
     (``core.branches``); ``fused_write``, KV rows quantised in their store's launch
     (``kv_store.FUSED_WRITE``); ``swiglu``, the experts' SwiGLU as GEMM 1's epilogue
-    (``fp8_moe.FUSED_SWIGLU``)."""
+    (``fp8_moe.FUSED_SWIGLU``); ``stack_x``, the input matrices stacked (``ops.STACK_X``; with
+    the side streams, which fork after the stacked GEMM)."""
+    monkeypatch.setattr(ops, "STACK_X", stack_x)
     monkeypatch.setattr(fp8_moe, "FOLD_SHARED", fold)
     monkeypatch.setattr(fp8_moe, "FUSED_SWIGLU", swiglu)
     monkeypatch.setattr(branches, "ENABLED", streams)
