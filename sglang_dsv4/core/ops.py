@@ -353,10 +353,13 @@ def has_x_stack(w: dict[str, Tensor]) -> bool:
     return any(k.startswith(X_STACK) for k in w)
 
 
-@on_gpu(rows={"x": (0,)})
 def x_projections(x: Tensor, w: dict[str, Tensor]) -> dict[str, Tensor]:
     """x [T, D] times each stacked matrix of the layer (``stack_x_matrices``): one GEMM a stack,
-    its columns cut back into {matrix name: [T, rows]}. Empty where the layer has no stack."""
+    its columns cut back into {matrix name: [T, rows]}. Empty where the layer has no stack.
+
+    Not a compiled region: a GEMM with its input quantiser / cast has nothing for Inductor to
+    fuse, and Dynamo failed building the guards of this function's dict of column views once
+    the token count turned dynamic (H100, torch 2.11: "sources must not be empty for symbol")."""
     out: dict[str, Tensor] = {}
     for key in [k for k in w if k.startswith(X_STACK)]:
         y, start = linear(x, w[key]), 0
