@@ -381,6 +381,25 @@ def test_logits_against_the_bf16_path(which, tiny_path, serving_rows):
         assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_side_streams_give_the_plain_steps_bits(tiny_path, serving_rows, graphs, monkeypatch):
+    """``core.branches``: a layer's chains on side streams run the same kernels on the same
+    inputs as the plain order, so prefill and decode logits are the same bits, eager and
+    replayed from graphs (the CPU holds the branch layout to the plain one in
+    ``tests/core/test_branches.py``; this is the GPU, streams and graph edges included)."""
+    cfg, path = _source("tiny", tiny_path)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 130, 255)]
+    tails = torch.randint(0, cfg.vocab_size, (4, 6), generator=g).to(DEV)
+    out = {}
+    for streams in (False, True):
+        monkeypatch.setattr(branches, "ENABLED", streams)
+        model, _ = _load(cfg, "fp8", path)
+        out[streams] = _run(serving_rows, model, cfg, prompts, tails, graphs=graphs)
+        del model
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+
+
 @pytest.mark.parametrize("fold,streams,fused_write,swiglu,stack_x", [
     (False, False, False, False, False), (True, False, False, False, False), (False, True, False, False, False),
     (False, False, True, False, False), (False, False, False, True, False), (False, True, False, False, True)])
