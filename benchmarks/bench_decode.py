@@ -25,8 +25,8 @@ the window and the compressed entries it attends to, the indexer keys it scores;
 device-to-device copy bandwidth measured in the same run), step / roofline and pipelined / roofline
 (the step as an overlap scheduler sees it, its host work hidden behind the GPU's), floor ms and
 step / floor (``step_floor``: each GEMM and attention read bound by its bytes or by its FLOPs over
-the matmul peak measured in the same run, ``matmul_peaks``, whichever is larger: where batch 256's
-GEMMs turn compute-bound, the limit the bytes-only roofline understates); prefill s: the
+the matmul peak measured in the same run, ``matmul_peaks``, whichever is larger: the limit where
+a large batch's GEMMs turn compute-bound, which the bytes-only roofline would understate); prefill s: the
 context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops).
 
 ``--switches default,hc_fused_pre,fp8_cublas``: each new path once per set of the opt-in GPU
@@ -61,6 +61,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -69,7 +70,7 @@ from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
 from sglang_dsv4.checkpoint.writer import random_stored
 from sglang_dsv4.config import V4Config
 from sglang_dsv4.core.model import V4Model, weight_dtypes
-from sglang_dsv4.kernels.fp8_linear import weight_nbytes
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, weight_nbytes
 from sglang_dsv4.kernels.kv_layout import V4_TOKEN_BYTES
 from sglang_dsv4.srt.state import SglangV4Cache
 from sglang_dsv4 import tiny
@@ -139,79 +140,33 @@ _STACKED = (".ffn.experts.w13", ".ffn.experts.w2", ".ffn.experts.fp8")
 
 # ---- the roofline --------------------------------------------------------------------------
 
-def step_bytes(cfg: V4Config, w: dict[str, torch.Tensor], batch: int, ctx: int) -> int:
-    """Bytes a decode step of ``batch`` requests at context ``ctx`` must read (fp8 weights: their
-    e4m3 values and scales)."""
-    nbytes = weight_nbytes
-
-    expert = {}
-    total = 0
-    for name, t in w.items():
-        if name.endswith(_STACKED):
-            continue  # the stacked experts (V4Model._stack_experts): the per-expert views count them
-        if ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
-            layer = name.split(".ffn.")[0]
-            expert[layer] = expert.get(layer, 0) + nbytes(t)  # all experts of the layer
-        elif name == "embed.weight":
-            total += batch * t.shape[1] * t.element_size()
-        elif name.startswith("mtp."):
-            continue  # decode runs the main model
-        else:
-            total += nbytes(t)
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    touched = E * (1 - (1 - k / E) ** batch)  # expected distinct experts per layer (random routing)
-    total += sum(b / E * touched for layer, b in expert.items() if layer.startswith("layers."))
-    for r in cfg.layer_ratios:
-        kv = cfg.sliding_window * V4_TOKEN_BYTES
-        if r == 4:
-            n = ctx // 4
-            kv += n * (cfg.index_head_dim + 4) + min(n, cfg.index_topk) * V4_TOKEN_BYTES
-        elif r == 128:
-            kv += ctx // 128 * V4_TOKEN_BYTES
-        total += batch * kv
-    return total
-
-
-def _matrix_floor(bw: float, peaks: dict[torch.dtype, float], nbytes: float, flops: float, dtype) -> float:
-    """One GEMM's floor, s: its bytes over the copy bandwidth or its FLOPs over the matmul peak
-    of its operands' dtype (fp8 or bf16; fp32 weights, the hyper-connection mixes, at bf16's),
-    whichever is larger."""
-    return max(nbytes / bw, flops / peaks.get(dtype, peaks[torch.bfloat16]))
-
-
-def step_floor(cfg: V4Config, w: dict, batch: int, ctx: int, bw: float, peaks: dict[torch.dtype, float]) -> float:
-    """The step's floor in seconds when every GEMM and attention read may be bound by its FLOPs as
-    well as its bytes: per weight matrix max(bytes / copy bandwidth, FLOPs / matmul peak), the
-    routed experts of a layer as one grouped GEMM (the experts the batch touches, B * k expert
-    rows of FLOPs), per layer the attention's KV bytes against its dots (bf16), summed. The
-    bytes-only ``step_bytes`` roofline is the floor where a step is byte-bound (small batches);
-    at batch 256 on flash8 (32 experts: ~48 rows an expert) the GEMMs' FLOPs bind, and the
-    floor says by how much the bytes-only figure understates the hardware's limit."""
-    from sglang_dsv4.kernels.fp8_linear import Fp8Weight
-
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    touched = E * (1 - (1 - k / E) ** batch)
+def step_reads(cfg: V4Config, w: dict, batch: int, ctx: int) -> Iterator[tuple[float, float, torch.dtype | None]]:
+    """What a decode step of ``batch`` requests at context ``ctx`` must read and multiply, one
+    item per weight, grouped GEMM or attention read: (bytes, FLOPs, the operands' dtype; None
+    where nothing is multiplied). fp8 weights count their e4m3 values and scales; the routed
+    experts of a layer are one grouped GEMM over the experts the batch touches (random routing),
+    B * k expert rows of FLOPs."""
     expert_bytes, expert_numel, expert_dtype = {}, {}, {}
-    total = 0.0
     for name, t in w.items():
         if name.endswith(_STACKED) or name.startswith("mtp."):
-            continue
-        numel = t.q.numel() if isinstance(t, Fp8Weight) else t.numel()
-        dtype = torch.float8_e4m3fn if isinstance(t, Fp8Weight) else t.dtype
+            continue  # the stacked experts (V4Model._stack_experts): their views count them; decode runs no MTP
+        fp8 = isinstance(t, Fp8Weight)
+        numel, dtype = (t.q.numel(), torch.float8_e4m3fn) if fp8 else (t.numel(), t.dtype)
         if ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
             layer = name.split(".ffn.")[0]
-            expert_bytes[layer] = expert_bytes.get(layer, 0) + weight_nbytes(t)
+            expert_bytes[layer] = expert_bytes.get(layer, 0) + weight_nbytes(t)  # all experts of the layer
             expert_numel[layer] = expert_numel.get(layer, 0) + numel
             expert_dtype[layer] = dtype
         elif name == "embed.weight":
-            total += batch * t.shape[1] * t.element_size() / bw
-        elif isinstance(t, Fp8Weight) or (t.dim() == 2 and t.is_floating_point() and not name.endswith(".ape")):
-            total += _matrix_floor(bw, peaks, weight_nbytes(t), 2 * batch * numel, dtype)  # every token x it
+            yield batch * t.shape[1] * t.element_size(), 0, None  # the batch's rows
+        elif fp8 or (t.dim() == 2 and t.is_floating_point() and not name.endswith(".ape")):
+            yield weight_nbytes(t), 2 * batch * numel, dtype  # a matrix every token goes through
         else:
-            total += weight_nbytes(t) / bw  # norms, biases, tables: read, not multiplied
+            yield weight_nbytes(t), 0, None  # norms, biases, tables: read, not multiplied
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** batch)  # expected distinct experts per layer (random routing)
     for layer, b in expert_bytes.items():
-        flops = 2 * batch * k * expert_numel[layer] / E  # each token through k experts' matrices
-        total += _matrix_floor(bw, peaks, b / E * touched, flops, expert_dtype[layer])
+        yield b / E * touched, 2 * batch * k * expert_numel[layer] / E, expert_dtype[layer]
     H, Dh, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
     for r in cfg.layer_ratios:
         keys, kv = W, W * V4_TOKEN_BYTES
@@ -220,13 +175,27 @@ def step_floor(cfg: V4Config, w: dict, batch: int, ctx: int, bw: float, peaks: d
             keys += min(n, cfg.index_topk)
             kv += min(n, cfg.index_topk) * V4_TOKEN_BYTES
             # the indexer scores every visible entry: its fp8 keys (+ scale) against Hi heads
-            total += _matrix_floor(bw, peaks, batch * n * (cfg.index_head_dim + 4),
-                                   2 * batch * cfg.index_n_heads * cfg.index_head_dim * n, torch.float8_e4m3fn)
+            yield (batch * n * (cfg.index_head_dim + 4), 2 * batch * cfg.index_n_heads * cfg.index_head_dim * n,
+                   torch.float8_e4m3fn)
         elif r == 128:
             keys += ctx // 128
             kv += ctx // 128 * V4_TOKEN_BYTES
-        total += _matrix_floor(bw, peaks, batch * kv, 4 * batch * H * Dh * keys, torch.bfloat16)  # QK and PV
-    return total
+        yield batch * kv, 4 * batch * H * Dh * keys, torch.bfloat16  # the window and entries: QK and PV
+
+
+def step_bytes(cfg: V4Config, w: dict, batch: int, ctx: int) -> float:
+    """Bytes a decode step of ``batch`` requests at context ``ctx`` must read (``step_reads``)."""
+    return sum(nbytes for nbytes, _, _ in step_reads(cfg, w, batch, ctx))
+
+
+def step_floor(cfg: V4Config, w: dict, batch: int, ctx: int, bw: float, peaks: dict[torch.dtype, float]) -> float:
+    """The step's floor in seconds when every GEMM and attention read may be bound by its FLOPs as
+    well as its bytes: per item of ``step_reads`` the larger of its bytes over the copy bandwidth
+    ``bw`` and its FLOPs over the matmul peak of its dtype (fp32 matrices, the hyper-connection
+    mixes, at bf16's), summed. Where no item is FLOP-bound it is ``step_bytes / bw``; with an
+    H100's measured peaks it exceeds that by 0.4% at flash8's batch 256 (session 30)."""
+    return sum(max(nbytes / bw, flops / peaks.get(dtype, peaks[torch.bfloat16]))
+               for nbytes, flops, dtype in step_reads(cfg, w, batch, ctx))
 
 
 def matmul_peaks(device: str) -> dict[torch.dtype, float]:

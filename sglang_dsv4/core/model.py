@@ -177,19 +177,21 @@ class V4Model:
         par = self.parallel
         experts = par.local_experts(self.cfg) if par else range(self.cfg.n_routed_experts)
         fold = fp8_moe.FOLD_SHARED and (par is None or (par.ep_size == 1 and par.dp is None))
-        views = [(f"layers.{i}", lw) for i, lw in enumerate(self.layers)] + [(f"mtp.{m}", lw) for m, lw in enumerate(self.mtp)]
-        for prefix, lw in views:
+        for prefix, lw in self._layer_views():
             if f"ffn.experts.{experts.start}.w1.weight" in lw:
                 ops.stack_experts(lw, experts, fold_shared=fold)
                 self.w.update({f"{prefix}.{k}": v for k, v in lw.items()
                                if k.startswith(("ffn.experts.", ops.SHARED_EXPERT + "."))})
 
+    def _layer_views(self) -> list[tuple[str, dict[str, Tensor]]]:
+        """(name prefix in ``self.w``, layer view) of every main and MTP layer."""
+        return [(f"layers.{i}", lw) for i, lw in enumerate(self.layers)] + [(f"mtp.{m}", lw) for m, lw in enumerate(self.mtp)]
+
     def _stack_x_matrices(self) -> None:
         """Each attention sublayer's input matrices stacked by storage kind (``ops.stack_x_matrices``:
         wq_a + wkv, the compressors' + the indexer's), one GEMM each instead of up to seven; the
         model's per-matrix entries become views of the stacks."""
-        views = [(f"layers.{i}", lw) for i, lw in enumerate(self.layers)] + [(f"mtp.{m}", lw) for m, lw in enumerate(self.mtp)]
-        for prefix, lw in views:
+        for prefix, lw in self._layer_views():
             if ops.stack_x_matrices(lw):
                 self.w.update({f"{prefix}.{n}": lw[n] for n in ops.X_MATRICES if n in lw})
 
@@ -396,8 +398,8 @@ class V4Model:
         freqs = ops.layer_inv_freqs(cfg, ratio, self.device)  # one set for ratio 0, one for the others
         rope = step.derived(("rope", ratio > 0), lambda: ops.rope_at(pos, freqs))
         backend = self._backend(cache)
-        # x through the stacked input matrices at once, before the chains fork (where stacked)
-        xp = ops.x_projections(x, w) if ops.has_x_stack(w) else {}
+        # x through the stacked input matrices at once, before the chains fork ({} where none)
+        xp = ops.x_projections(x, w)
 
         def queries():
             q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype, xp.get("attn.wq_a.weight"))

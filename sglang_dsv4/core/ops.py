@@ -308,13 +308,6 @@ def _storage_kind(t: Tensor | Fp8Weight) -> str:
     return "fp8" if isinstance(t, Fp8Weight) else str(t.dtype).removeprefix("torch.")
 
 
-def _same_storage(a: Tensor | Fp8Weight, b: Tensor | Fp8Weight) -> bool:
-    """``_storage_kind(a) == _storage_kind(b)`` in terms a traced region keeps as constants."""
-    if isinstance(a, Fp8Weight) or isinstance(b, Fp8Weight):
-        return isinstance(a, Fp8Weight) and isinstance(b, Fp8Weight)
-    return a.dtype == b.dtype
-
-
 def _row_slice(t: Tensor | Fp8Weight, start: int, stop: int) -> Tensor | Fp8Weight:
     """Rows start..stop of a matrix, a view (fp8: start on a scale block's first row)."""
     if isinstance(t, Fp8Weight):
@@ -364,7 +357,7 @@ def x_projections(x: Tensor, w: dict[str, Tensor]) -> dict[str, Tensor]:
     for key in [k for k in w if k.startswith(X_STACK)]:
         y, start = linear(x, w[key]), 0
         for name in X_MATRICES:
-            if name in w and _same_storage(w[name], w[key]):
+            if name in w and X_STACK + _storage_kind(w[name]) == key:
                 rows = w[name].shape[0]
                 out[name], start = y[:, start:start + rows], start + rows
     return out

@@ -250,7 +250,7 @@ def test_a_folded_shared_expert_gives_the_unfolded_moe(tiny_path, monkeypatch):
 def test_stacked_input_matrices_project_as_the_matrices_and_hold_no_second_copy(tiny_path, monkeypatch):
     """``ops.STACK_X``: each layer's input matrices stacked by storage kind at construction (fp8
     wq_a + wkv; the compressors' and the indexer's bf16), one GEMM a stack in ``x_projections``
-    (compiled regions on) against each matrix's own ``linear``. The same operands; the GEMMs
+    against each matrix's own ``linear``. The same operands; the GEMMs
     tile and split K by N (fp32 summation order, and the bf16 GEMMs round their outputs), so
     the columns agree to ~1e-3 a row, where a wrong slice is of order 1. The stacks replace the
     matrices (views): the weights' device bytes do not grow."""
