@@ -29,9 +29,10 @@ the matmul peak measured in the same run, ``matmul_peaks``, whichever is larger:
 a large batch's GEMMs turn compute-bound, which the bytes-only roofline would understate); prefill s: the
 context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops).
 
-``--switches default,hc_fused_pre,fp8_cublas``: each new path once per set of the opt-in GPU
-kernels (``+``-joined names; ``default``: all off), side by side in this process, the path column
-naming the set (``graphs+fp8_cublas``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSED_PRE``
+``--switches default,none,hc_fused_pre,fp8_cublas``: each new path once per set of the switched GPU
+kernels (``+``-joined names, exactly those on; ``none``: all off; ``default``: as the process
+started, the shipped defaults under the environment's overrides), side by side in this process,
+the path column naming the set (``graphs+fp8_cublas``, ``graphs+none``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSED_PRE``
 (``kernels.hc_split``), ``fp8_cublas`` = ``SGLANG_DSV4_FP8_GEMM=cublas`` (``kernels.fp8_cublas``),
 ``fold_shared`` = ``SGLANG_DSV4_FOLD_SHARED=1`` (the shared expert in the fp8 expert stacks,
 ``kernels.fp8_moe``; read when a path's model is built), ``kv_fused_write`` =
@@ -266,16 +267,26 @@ SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "bran
             "stack_x")
 
 
+_AS_STARTED: dict[str, bool] = {}  # each switch as the process started, before any path set it
+
+
 def switched(variant: str | None, make):
-    """``make()`` (a path) with the opt-in kernels of ``variant`` on and the others off (None: as
-    the environment set them), its name suffixed with the variant. The switches stay as set until
+    """``make()`` (a path) with the kernels of ``variant`` on and the others off (``none``: all
+    off; ``default``: each as the process started; None: left as they are), its name suffixed with
+    the variant (but ``default``'s). The switches stay as set until
     the next path is made: read per call, guarded by Dynamo (the cuBLAS GEMM) or read when the
     model is built (the folded shared expert), so a path runs what was switched on while it was
     made; each path builds its own model and graphs."""
+    modules = _switch_modules()
+    if not _AS_STARTED:
+        _AS_STARTED.update({name: bool(getattr(mod, attr)) for name, (mod, attr) in modules.items()})
     if variant is None:
         return make()
-    on = set() if variant == "default" else set(variant.split("+"))
-    for name, (mod, attr) in _switch_modules().items():
+    if variant == "default":
+        on = {name for name, value in _AS_STARTED.items() if value}
+    else:
+        on = set() if variant == "none" else set(variant.split("+"))
+    for name, (mod, attr) in modules.items():
         setattr(mod, attr, name in on)
     path = make()
     if variant != "default":
@@ -482,14 +493,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="bf16",
                     help="weight modes, side by side: bf16 (dequantised) and/or fp8 (fp8 block-128, experts converted)")
     ap.add_argument("--switches", default="",
-                    help="sets of opt-in GPU kernels to run each new path with, side by side: default (all off), "
-                         f"or +-joined names of {', '.join(SWITCHES)} (default: as the environment sets them)")
+                    help="sets of switched GPU kernels to run each new path with, side by side: default (as the "
+                         "process started), none (all off), or +-joined names of "
+                         f"{', '.join(SWITCHES)} (exactly those on; unset: as the environment sets them)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     variants = args.switches.split(",") if args.switches else [None]
     for v in variants:
-        if v not in (None, "default") and not set(v.split("+")) <= set(SWITCHES):
-            ap.error(f"--switches: unknown {v!r} (known: default, {', '.join(SWITCHES)})")
+        if v not in (None, "default", "none") and not set(v.split("+")) <= set(SWITCHES):
+            ap.error(f"--switches: unknown {v!r} (known: default, none, {', '.join(SWITCHES)})")
     known = ("batched", "graphs", "batched-det", "graphs-det")
     new_paths = args.paths.split(",")
     if not set(new_paths) <= set(known):

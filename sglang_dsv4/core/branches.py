@@ -1,4 +1,5 @@
-"""Independent parts of a layer run side by side on CUDA streams (opt-in, ``SGLANG_DSV4_BRANCH_STREAMS=1``).
+"""Independent parts of a layer run side by side on CUDA streams (on by default; ``SGLANG_DSV4_BRANCH_STREAMS=0``
+runs them one after another).
 
 A decode step of a few requests is a chain of small kernels (about 107 a flash8 layer, ~3.3 us
 each at batch 1 inside a graph, session 16's census): each uses a few SMs and the GPU waits on
@@ -28,7 +29,9 @@ import torch
 
 _T = TypeVar("_T")
 
-ENABLED = os.environ.get("SGLANG_DSV4_BRANCH_STREAMS", "0") == "1"
+# on since session 31: the same bits as the plain order, eager and replayed (test_fp8_gpu.py), and
+# 9% / 3-6% / 3-12% off flash8's batch-1 / 64 / 256 steps on an H100 (decode_h200.md, sessions 30-31)
+ENABLED = os.environ.get("SGLANG_DSV4_BRANCH_STREAMS", "1") == "1"
 
 
 class Branches:

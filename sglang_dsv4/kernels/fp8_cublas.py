@@ -10,7 +10,8 @@ B's [K/128, N/128] column-major with K/128 a multiple of 4). Same math as the Tr
 fp32 rounding (another accumulation order).
 
 Only the dense, ungathered GEMM (no row table, no experts) takes it, where K / 128 is a multiple
-of 4 and N of 128. Before a model's first GEMM (``fp8_linear.prepare``, from ``V4Model``) the
+of 4, N of 128 and M of 4 (CUDA 13.0's cuBLASLt on an H100 refuses M = 1, 2, 3, 5, 17 with
+CUBLAS_STATUS_NOT_SUPPORTED and takes 4, 8, 12, 16, 24, ..., 100, 256: session 31's probe). Before a model's first GEMM (``fp8_linear.prepare``, from ``V4Model``) the
 library is checked against the Triton kernel on a small case, once per device; the Triton kernel
 stays if it raises or disagrees, so a torch or CUDA without the recipe, or a scale layout it
 reads otherwise, costs nothing but the log line. The choice is fixed before anything is traced
@@ -36,8 +37,8 @@ _checked: dict[int, bool] = {}  # device index -> whether cuBLAS passed its chec
 
 def shape_ok(M: int, N: int, K: int) -> bool:
     """Whether cuBLAS's block-scaled GEMM takes [M, K] x [N, K]^T (its scale layouts need K / 128
-    a multiple of 4; whole 128-row weight blocks)."""
-    return M > 0 and K % (4 * FP8_WEIGHT_BLOCK) == 0 and N % FP8_WEIGHT_BLOCK == 0
+    a multiple of 4; whole 128-row weight blocks; rows in fours, or cuBLASLt finds no algorithm)."""
+    return M > 0 and M % 4 == 0 and K % (4 * FP8_WEIGHT_BLOCK) == 0 and N % FP8_WEIGHT_BLOCK == 0
 
 
 def planned(M: int, N: int, K: int, device: torch.device, enabled: bool | None = None) -> bool:

@@ -1,5 +1,5 @@
-"""``bench_decode --switches``: each path is made with exactly its set of opt-in GPU kernels on,
-and named after it (the timing itself needs a GPU)."""
+"""``bench_decode --switches``: each path is made with exactly its set of switched GPU kernels on
+(``none``: all off, ``default``: as the process started), and named after it (the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def test_a_path_is_made_with_its_switches_and_named_after_them(monkeypatch):
     monkeypatch.setattr(hc_split, "FUSED_PRE", False)
     monkeypatch.setattr(fp8_cublas, "REQUESTED", True)  # as an environment might set it
     monkeypatch.setattr(fp8_moe, "FOLD_SHARED", False)
+    monkeypatch.setattr(bench_decode, "_AS_STARTED", {})
     seen = []
 
     def make():
@@ -22,10 +23,12 @@ def test_a_path_is_made_with_its_switches_and_named_after_them(monkeypatch):
         return SimpleNamespace(name="graphs")
 
     assert bench_decode.switched("hc_fused_pre", make).name == "graphs+hc_fused_pre"
-    assert bench_decode.switched("default", make).name == "graphs"
+    assert bench_decode.switched("none", make).name == "graphs+none"
     assert bench_decode.switched("hc_fused_pre+fp8_cublas", make).name == "graphs+hc_fused_pre+fp8_cublas"
+    assert bench_decode.switched("default", make).name == "graphs"  # as the process started
     assert bench_decode.switched("fold_shared", make).name == "graphs+fold_shared"
-    assert seen == [(True, False, False), (False, False, False), (True, True, False), (False, False, True)]
+    assert seen == [(True, False, False), (False, False, False), (True, True, False), (False, True, False),
+                    (False, False, True)]
     assert bench_decode.switched(None, make).name == "graphs" and seen[-1] == (False, False, True)  # left as set
 
 

@@ -11,8 +11,9 @@ from sglang_dsv4.kernels import fp8_linear as fp8_mod
 
 
 def test_the_shapes_cublas_takes():
-    assert fp8_cublas.shape_ok(1, 1024, 4096) and fp8_cublas.shape_ok(256, 32768, 1024)
+    assert fp8_cublas.shape_ok(4, 1024, 4096) and fp8_cublas.shape_ok(256, 32768, 1024)
     assert not fp8_cublas.shape_ok(0, 1024, 4096)        # no rows
+    assert not any(fp8_cublas.shape_ok(m, 1024, 4096) for m in (1, 2, 3, 5, 17))  # rows not in fours
     assert not fp8_cublas.shape_ok(8, 1024, 384)         # K / 128 = 3: not a multiple of 4
     assert not fp8_cublas.shape_ok(8, 1000, 4096)        # a partial weight block
 
