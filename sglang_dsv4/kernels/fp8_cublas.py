@@ -11,7 +11,8 @@ fp32 rounding (another accumulation order).
 
 Only the dense, ungathered GEMM (no row table, no experts) takes it, where K / 128 is a multiple
 of 4, N of 128 and M of 4 (CUDA 13.0's cuBLASLt on an H100 refuses M = 1, 2, 3, 5, 17 with
-CUBLAS_STATUS_NOT_SUPPORTED and takes 4, 8, 12, 16, 24, ..., 100, 256: session 31's probe). Before a model's first GEMM (``fp8_linear.prepare``, from ``V4Model``) the
+CUBLAS_STATUS_NOT_SUPPORTED and takes 4, 8, 12, 16, 24, ..., 100, 256: session 31's probe), and
+only where it is faster (``faster``: from 64 rows and half a million outputs). Before a model's first GEMM (``fp8_linear.prepare``, from ``V4Model``) the
 library is checked against the Triton kernel on a small case, once per device; the Triton kernel
 stays if it raises or disagrees, so a torch or CUDA without the recipe, or a scale layout it
 reads otherwise, costs nothing but the log line. The choice is fixed before anything is traced
@@ -41,11 +42,23 @@ def shape_ok(M: int, N: int, K: int) -> bool:
     return M > 0 and M % 4 == 0 and K % (4 * FP8_WEIGHT_BLOCK) == 0 and N % FP8_WEIGHT_BLOCK == 0
 
 
+def faster(M: int, N: int) -> bool:
+    """Whether cuBLAS beats the Triton kernel on an [M, N] output (session 31, H200,
+    ``bench_fp8_gemm --cublas``): from 64 rows and half a million outputs (wq_b 1.6x at 64 and 256
+    rows, wo_b / the shared expert's 1.7-1.9x at 256, idx_wq_b 2.5x at 256); below, its fixed ~15 us
+    loses (0.45-0.9x: wq_a, wkv at any batch, everything at 4 rows), and at 4 rows its result was
+    also 1e-4 to 5e-3 off the Triton kernel's where 64 and 256 rows gave the same bits."""
+    return M >= 64 and M * N >= 1 << 19
+
+
 def planned(M: int, N: int, K: int, device: torch.device, enabled: bool | None = None) -> bool:
     """Whether ``fp8_gemm`` hands a dense [M, K] x [N, K]^T GEMM to cuBLAS: requested (``enabled``
-    None: ``SGLANG_DSV4_FP8_GEMM``), a CUDA device whose check passed, the shape taken. From
-    shapes and the check's cached result only, so the fake of the torch op agrees with the launch."""
-    if not (REQUESTED if enabled is None else enabled) or device.type != "cuda" or not shape_ok(M, N, K):
+    None: ``SGLANG_DSV4_FP8_GEMM``), a CUDA device whose check passed, the shape taken and faster
+    there. From shapes and the check's cached result only, so the fake of the torch op agrees with
+    the launch."""
+    if not (REQUESTED if enabled is None else enabled) or device.type != "cuda":
+        return False
+    if not (shape_ok(M, N, K) and faster(M, N)):
         return False
     return _checked.get(device.index if device.index is not None else torch.cuda.current_device(), False)
 
@@ -86,4 +99,4 @@ def check_device(device: torch.device, triton_gemm) -> bool:
     return ok
 
 
-__all__ = ["REQUESTED", "shape_ok", "planned", "block_scaled_mm", "check_device"]
+__all__ = ["REQUESTED", "shape_ok", "faster", "planned", "block_scaled_mm", "check_device"]

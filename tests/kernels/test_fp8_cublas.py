@@ -18,17 +18,25 @@ def test_the_shapes_cublas_takes():
     assert not fp8_cublas.shape_ok(8, 1000, 4096)        # a partial weight block
 
 
+def test_cublas_is_planned_only_where_it_measured_faster():
+    assert fp8_cublas.faster(64, 32768) and fp8_cublas.faster(256, 4096) and fp8_cublas.faster(256, 8192)
+    assert not fp8_cublas.faster(4, 32768)      # its fixed cost loses at a few rows
+    assert not fp8_cublas.faster(256, 1024)     # wq_a: too few outputs
+    assert not fp8_cublas.faster(64, 4096)      # wo_b, the shared expert at 64 rows
+
+
 def test_nothing_takes_cublas_unless_requested_on_a_checked_cuda_device(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(fp8_cublas, "_checked", {})
-    assert not fp8_cublas.planned(64, 1024, 4096, cuda, enabled=False)
-    assert not fp8_cublas.planned(64, 1024, 4096, torch.device("cpu"), enabled=True)
-    assert not fp8_cublas.planned(64, 1024, 4096, cuda, enabled=True)  # not checked yet
+    assert not fp8_cublas.planned(64, 32768, 1024, cuda, enabled=False)
+    assert not fp8_cublas.planned(64, 32768, 1024, torch.device("cpu"), enabled=True)
+    assert not fp8_cublas.planned(64, 32768, 1024, cuda, enabled=True)  # not checked yet
     fp8_cublas._checked[0] = False
-    assert not fp8_cublas.planned(64, 1024, 4096, cuda, enabled=True)  # its check failed
+    assert not fp8_cublas.planned(64, 32768, 1024, cuda, enabled=True)  # its check failed
     fp8_cublas._checked[0] = True
-    assert fp8_cublas.planned(64, 1024, 4096, cuda, enabled=True)
-    assert not fp8_cublas.planned(64, 1024, 384, cuda, enabled=True)   # a shape it does not take
+    assert fp8_cublas.planned(64, 32768, 1024, cuda, enabled=True)
+    assert not fp8_cublas.planned(64, 32768, 384, cuda, enabled=True)  # a shape it does not take
+    assert not fp8_cublas.planned(64, 1024, 4096, cuda, enabled=True)  # one where it is slower
 
 
 def test_prepare_is_a_no_op_off_the_gpu_or_unrequested(monkeypatch):
