@@ -1,4 +1,5 @@
-"""The dense fp8 block-128 GEMM through cuBLAS (opt-in, ``SGLANG_DSV4_FP8_GEMM=cublas``).
+"""The dense fp8 block-128 GEMM through cuBLAS where it is faster (on by default;
+``SGLANG_DSV4_FP8_GEMM=triton`` keeps the Triton kernel everywhere).
 
 ``fp8_linear.fp8_gemm``'s Triton kernel (SGLang's block-fp8 inner loop) streams the weights near
 their bytes at small batches, but where a step's GEMMs are compute-limited it reaches about a
@@ -32,7 +33,9 @@ from ..quant import FP8_WEIGHT_BLOCK
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
-REQUESTED = os.environ.get("SGLANG_DSV4_FP8_GEMM", "triton") == "cublas"
+# on since session 31: the planned shapes gave the Triton kernel's bits and 1.6-2.5x its speed
+# (bench_fp8_gemm --cublas, H200), flash8's batch-64/256 steps 4-5% faster (decode_h200.md)
+REQUESTED = os.environ.get("SGLANG_DSV4_FP8_GEMM", "cublas") == "cublas"
 _checked: dict[int, bool] = {}  # device index -> whether cuBLAS passed its check (``check_device``)
 
 

@@ -313,7 +313,7 @@ def fp8_gemm_reference(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.
 
 
 def prepare(device: torch.device) -> None:
-    """Before a model's first fp8 GEMM on ``device``: with ``SGLANG_DSV4_FP8_GEMM=cublas``, decide
+    """Before a model's first fp8 GEMM on ``device``: unless ``SGLANG_DSV4_FP8_GEMM=triton``, decide
     once whether its dense GEMMs take cuBLAS (``fp8_cublas.check_device`` against this module's
     kernel). A no-op otherwise."""
     if fp8_cublas.REQUESTED and device.type == "cuda":

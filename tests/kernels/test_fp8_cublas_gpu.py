@@ -1,4 +1,4 @@
-"""``kernels.fp8_cublas`` on the GPU (opt-in ``SGLANG_DSV4_FP8_GEMM=cublas``): cuBLAS's block-scaled
+"""``kernels.fp8_cublas`` on the GPU (``SGLANG_DSV4_FP8_GEMM=cublas``, the default): cuBLAS's block-scaled
 fp8 GEMM against the Triton kernel it would replace, on V4-Flash's dense shapes, eager and
 through a compiled caller's torch op (whose fake must give the launch's shape), and in a graph."""
 
