@@ -1,7 +1,7 @@
 """Decode-step speed on the GPU, in-process: this tree's batched step vs an older code path.
 
     python -m benchmarks.bench_decode [--old-root DIR] [--configs tiny,flash8] [--batches 1,8,64]
-        [--contexts 1024,16384] [--steps 20] [--weights bf16,fp8] [--out FILE.md]
+        [--contexts 1024,16384] [--steps 20] [--rounds 1] [--weights bf16,fp8] [--out FILE.md]
 
 For each config x batch x context: one request is prefilled to the context, B requests resume
 from its snapshot (sharing its compressed entries), and decode steps are timed. The new path runs
@@ -27,7 +27,11 @@ device-to-device copy bandwidth measured in the same run), step / roofline and p
 step / floor (``step_floor``: each GEMM and attention read bound by its bytes or by its FLOPs over
 the matmul peak measured in the same run, ``matmul_peaks``, whichever is larger: the limit where
 a large batch's GEMMs turn compute-bound, which the bytes-only roofline would understate); prefill s: the
-context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops).
+context's prefill in chunks of 2048 (the first path of each config also compiles the fused ops);
+spread %: with ``--rounds R`` (R > 1) a case's paths are all built, then timed in turns R times
+(``time_in_turns``: a drift of clocks or host load falls on every path alike; the step columns
+are medians over the rounds), and this is the pipelined time's (max - min) / median over them.
+A single pass measured the same kernels 3.60 and 4.03 ms apart at batch 1 (session 31).
 
 ``--switches default,none,hc_fused_pre,fp8_cublas``: each new path once per set of the switched GPU
 kernels (``+``-joined names, exactly those on; ``none``: all off; ``default``: as the process
@@ -286,12 +290,25 @@ def switched(variant: str | None, make):
         on = {name for name, value in _AS_STARTED.items() if value}
     else:
         on = set() if variant == "none" else set(variant.split("+"))
-    for name, (mod, attr) in modules.items():
-        setattr(mod, attr, name in on)
+    _set_switches(on)
     path = make()
+    path.switch_set = frozenset(on)  # for apply_switches: paths timed in turns (--rounds)
     if variant != "default":
         path.name += "+" + variant
     return path
+
+
+def _set_switches(on: set[str] | frozenset[str]) -> None:
+    for name, (mod, attr) in _switch_modules().items():
+        setattr(mod, attr, name in on)
+
+
+def apply_switches(path) -> None:
+    """Before timing a path made by ``switched``: its switches again (another path, made or timed
+    since, may have set others; the switches read per call must be this path's)."""
+    on = getattr(path, "switch_set", None)
+    if on is not None:
+        _set_switches(on)
 
 
 # ---- driving the two code paths ----------------------------------------------------------------
@@ -476,6 +493,31 @@ def time_pipelined(path, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
+def steps_needed(steps: int, rounds: int) -> int:
+    """Decode steps a path takes in ``rounds`` rounds of ``time_steps`` (3 warm-up + ``steps``) and
+    ``time_pipelined`` (``steps``), and ``profile_step``'s 3: what its cache must hold."""
+    return rounds * (2 * steps + 3) + 3
+
+
+def time_in_turns(paths: list, steps: int, rounds: int) -> list[tuple[float, float, float]]:
+    """(step ms, pipelined ms, spread %) of each path: ``rounds`` rounds, each timing every path
+    once in turn (``time_steps`` then ``time_pipelined``), so a drift of the GPU's clocks or of the
+    host spreads over all of them alike; the medians over the rounds, and the pipelined time's
+    spread (max - min over its median, %)."""
+    drained: list[list[float]] = [[] for _ in paths]
+    piped: list[list[float]] = [[] for _ in paths]
+    for _ in range(rounds):
+        for i, path in enumerate(paths):
+            apply_switches(path)
+            drained[i].append(time_steps(path, steps) * 1e3)
+            piped[i].append(time_pipelined(path, steps) * 1e3)
+    out = []
+    for d, p in zip(drained, piped):
+        mid = statistics.median(p)
+        out.append((statistics.median(d), mid, 100 * (max(p) - min(p)) / mid))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--old-root", type=Path, default=None,
@@ -484,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time a case's paths in this many rounds, in turns, all of them alive at once "
+                         "(medians over the rounds; the spread column): differences of a few percent "
+                         "between switch sets need more than one (1: one path at a time, as before)")
     ap.add_argument("--old-max-batch", type=int, default=64, help="skip the old path above this batch")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
     ap.add_argument("--paths", default="batched,graphs",
@@ -519,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = ("| config | batch | context | path | weights | step ms | tok/s | pipelined ms | launches/step | syncs/step "
               "| GPU busy % | busy % profiled | roofline ms | step / roofline | pipelined / roofline | floor ms | step / floor "
-              "| vs before | prefill s |")
+              "| vs before | prefill s | spread % |")
     import sglang_dsv4  # which tree this process measures (a "before" run must not be this one)
     print(f"package {Path(sglang_dsv4.__file__).parent}", flush=True)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s, matmul peaks bf16 {peaks[torch.bfloat16] / 1e12:.0f} / fp8 "
@@ -528,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header + "\n" + separator, flush=True)
     for cname in args.configs.split(","):
         contexts = [int(c) for c in args.contexts.split(",")]
-        cfg = make_config(cname, max(contexts) + args.steps + 64)
+        capacity = steps_needed(args.steps, args.rounds)
+        cfg = make_config(cname, max(contexts) + capacity + 64)
         ws = {mode: bench_weights(cfg, device, mode) for mode in args.weights.split(",")}
         for ctx, mode in [(c, m) for c in contexts for m in ws]:
             w = ws[mode]
@@ -541,40 +588,56 @@ def main(argv: list[str] | None = None) -> int:
                 before = None
                 paths = []
                 if old is not None and batch <= args.old_max_batch and mode == "bf16":
-                    paths.append(lambda: OldPath(old, cfg, w, batch, ctx, 2 * args.steps, device))
+                    paths.append(lambda: OldPath(old, cfg, w, batch, ctx, capacity, device))
                 for p in new_paths:
                     for v in variants:
                         paths.append(lambda p=p, v=v: switched(v, lambda: NewPath(
-                            cfg, w, batch, ctx, 2 * args.steps, device, graphs=p.startswith("graphs"),
+                            cfg, w, batch, ctx, capacity, device, graphs=p.startswith("graphs"),
                             deterministic=p.endswith("-det"))))
-                for make in paths:
+
+                def failed(e: Exception) -> None:  # one path's failure (a switch's capture, say) ends only its row
+                    print(f"| {cname} | {batch} | {ctx} | (failed) | {mode} | {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else ''} |", flush=True)
+                    traceback.print_exc()
+                    torch.cuda.empty_cache()
+
+                def ready(make):
+                    """A made and prefilled path with its prefill seconds, or None where it failed."""
                     try:
                         path = make()
                         torch.cuda.synchronize()
                         t_pre = time.perf_counter()
                         path.prefill(2048)
                         torch.cuda.synchronize()
-                        prefill_s = time.perf_counter() - t_pre  # the first path of a config includes compilation
-                        ms = time_steps(path, args.steps) * 1e3
-                        piped = time_pipelined(path, args.steps) * 1e3
-                        prof = profile_step(path)
-                    except Exception as e:  # one path's failure (a switch's capture, say) ends only its row
-                        print(f"| {cname} | {batch} | {ctx} | (failed) | {mode} | {type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else ''} |", flush=True)
-                        traceback.print_exc()
-                        path = None
-                        torch.cuda.empty_cache()
-                        continue
-                    ratio = "" if before is None else f"{before / ms:.1f}x"
-                    if path.name == "before":
-                        before = ms
-                    line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
-                            f"{piped:.2f} | {prof.launches:.0f} | {prof.syncs:.1f} | {prof.busy_of(piped):.0f} | "
-                            f"{prof.busy_profiled:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | {piped / (roof * 1e3):.1f} | "
-                            f"{floor * 1e3:.3f} | {ms / (floor * 1e3):.1f} | {ratio} | {prefill_s:.2f} |")
-                    rows.append(line)
-                    print(line, flush=True)
-                    del path
+                        return path, time.perf_counter() - t_pre  # the first path of a config includes compilation
+                    except Exception as e:
+                        failed(e)
+                        return None
+
+                # one at a time (rounds 1), or all alive and timed in turns
+                for group in ([[m] for m in paths] if args.rounds == 1 else [paths]):
+                    alive = [r for r in map(ready, group) if r is not None]
+                    try:
+                        timed = time_in_turns([p for p, _ in alive], args.steps, args.rounds)
+                        profs = []
+                        for p, _ in alive:
+                            apply_switches(p)
+                            profs.append(profile_step(p))
+                    except Exception as e:
+                        failed(e)
+                        timed, profs = [], []
+                    for (path, prefill_s), (ms, piped, spread), prof in zip(alive, timed, profs):
+                        ratio = "" if before is None else f"{before / ms:.1f}x"
+                        if path.name == "before":
+                            before = ms
+                        line = (f"| {cname} | {batch} | {ctx} | {path.name} | {mode} | {ms:.2f} | {batch / ms * 1e3:.0f} | "
+                                f"{piped:.2f} | {prof.launches:.0f} | {prof.syncs:.1f} | {prof.busy_of(piped):.0f} | "
+                                f"{prof.busy_profiled:.0f} | {roof * 1e3:.3f} | {ms / (roof * 1e3):.1f} | "
+                                f"{piped / (roof * 1e3):.1f} | {floor * 1e3:.3f} | {ms / (floor * 1e3):.1f} | {ratio} | "
+                                f"{prefill_s:.2f} | {f'{spread:.1f}' if args.rounds > 1 else ''} |")
+                        rows.append(line)
+                        print(line, flush=True)
+                    del alive, timed, profs
                     torch.cuda.empty_cache()
         del w, ws
         torch.cuda.empty_cache()
