@@ -17,6 +17,9 @@
 #   BENCH_ARGS='--configs flash8,flash43 --batches 1,16,64,256 --contexts 1024,16384,65536 --weights bf16,fp8'
 #   BENCH_ARGS='--configs flash8 --batches 1,64 --contexts 16384 --paths graphs,graphs-det --weights fp8'
 #   GENERIC_TOO=1 (then the same benchmark with SGLANG_DSV4_COMPILE=generic, core/compiled.py)
+#   ALSO_ENV='TORCHINDUCTOR_ENABLE_PDL=1;SGLANG_DSV4_COMBO_KERNELS=1' (then the same benchmark once
+#   per ';'-separated set of environment assignments, each its own process: switches read at
+#   import or compile time, which --switches cannot set per path)
 # (the deterministic mode's cost; benchmarks/chunk_invariance_gpu.py shows what it buys)
 # (the first steps of a process compile the fused ops: allow a minute or two per config; bench_decode
 # prints how many graphs it compiled and the seconds it took). SGLANG_DSV4_COMPILE=0 in front runs
@@ -93,6 +96,14 @@ if [ -n "${GENERIC_TOO:-}" ]; then
   SGLANG_DSV4_COMPILE=generic TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generic TRITON_CACHE_DIR=/tmp/inductor-generic/triton \
     timeout ${GENERIC_TIMEOUT:-300} python3 -m benchmarks.bench_decode --out "$OUT/decode_generic.md" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_generic.log" | grep "^|\|captured\|compiled graphs\|Error"
+fi
+if [ -n "${ALSO_ENV:-}" ]; then
+  IFS=';' read -ra envsets <<< "$ALSO_ENV"
+  for i in "${!envsets[@]}"; do
+    echo "--- this tree, ${envsets[$i]}"
+    env ${envsets[$i]} timeout ${ALSO_TIMEOUT:-300} python3 -m benchmarks.bench_decode --out "$OUT/decode_env$i.md" \
+      ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_env$i.log" | grep "^|\|captured\|compiled graphs\|Error"
+  done
 fi
 if [ -n "${PROFILE_ARGS:-}" ]; then
   echo "--- profile_decode $PROFILE_ARGS"

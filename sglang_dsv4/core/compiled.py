@@ -44,6 +44,12 @@ GENERIC = MODE == "generic"
 # every decorated function is traced once per (config, string/flag arguments) variant and shape
 # family: the default limit (8) would drop the later layers' variants back to eager
 RECOMPILE_LIMIT = 64
+# Inductor's combo kernels (opt-in until timed, SGLANG_DSV4_COMBO_KERNELS=1): the independent
+# kernels of one fused region launched as one grid, each part its own code (the same bits), for
+# a step whose time is a chain of small kernels. Its sibling for the launches themselves,
+# programmatic dependent launch, is torch's own switch: TORCHINDUCTOR_ENABLE_PDL=1.
+INDUCTOR_OPTIONS: dict[str, object] = (
+    {"combo_kernels": True} if os.environ.get("SGLANG_DSV4_COMBO_KERNELS", "0") == "1" else {})
 
 
 Dims = Mapping[str, tuple[int, ...]]
@@ -77,7 +83,7 @@ def on_gpu(fn: F | None = None, *, rows: Dims | None = None, widths: Dims | None
             dyn = torch._dynamo.config
             dyn.recompile_limit = max(dyn.recompile_limit, RECOMPILE_LIMIT)
             dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
-            compiled = torch.compile(fn)
+            compiled = torch.compile(fn, options=dict(INDUCTOR_OPTIONS) or None)
         if GENERIC:
             mark_dims(args, kwargs, marks)
         return compiled(*args, **kwargs)

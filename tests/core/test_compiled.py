@@ -1,10 +1,14 @@
 """``core.compiled.on_gpu``'s dim marks (the generic compile mode): every fused function declares
 its token dims, and marked calls trace once for any token count where unmarked ones trace three
-times (Dynamo's guards run the same on the CPU; the ``eager`` backend skips code generation)."""
+times (Dynamo's guards run the same on the CPU; the ``eager`` backend skips code generation); the
+opt-in combo-kernel switch names an Inductor option this torch has."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,3 +114,15 @@ def test_the_fused_regions_traced_give_the_eager_steps_bits(micro, monkeypatch):
     torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
     assert len(got[1]) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_the_combo_kernel_switch_names_an_option_this_torch_has():
+    """``SGLANG_DSV4_COMBO_KERNELS=1`` hands Inductor an option it knows (an unknown one would fail
+    the first compile on the GPU, not here); off, no options at all."""
+    code = ("import torch, sglang_dsv4.core.compiled as c; "
+            "assert all(hasattr(torch._inductor.config, k) for k in c.INDUCTOR_OPTIONS); print(sorted(c.INDUCTOR_OPTIONS))")
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_DSV4_COMBO_KERNELS"}
+    on = subprocess.run([sys.executable, "-c", code], env={**env, "SGLANG_DSV4_COMBO_KERNELS": "1"},
+                        capture_output=True, text=True, check=True)
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert on.stdout.strip() == "['combo_kernels']" and off.stdout.strip() == "[]"
