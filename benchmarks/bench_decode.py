@@ -45,7 +45,8 @@ the path column naming the set (``graphs+fp8_cublas``, ``graphs+none``): ``hc_fu
 streams, ``core.branches``), ``moe_fused_swiglu`` = ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1`` (the routed
 experts' SwiGLU as GEMM 1's epilogue, ``kernels.fp8_moe``), ``stack_x`` = ``SGLANG_DSV4_STACK_X=1``
 (an attention sublayer's input matrices stacked by storage kind, one GEMM each, ``core.ops``; read
-when a path's model is built). The switches are read per call; a path's graphs keep what was on
+when a path's model is built), ``pdl`` = ``SGLANG_DSV4_PDL=1`` (this package's Triton kernels
+launched with programmatic dependent launch, ``kernels.pdl_triton``). The switches are read per call; a path's graphs keep what was on
 while they were captured.
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
@@ -259,16 +260,16 @@ def copy_bandwidth(device: str) -> float:
 
 def _switch_modules() -> dict[str, tuple[object, str]]:
     from sglang_dsv4.core import branches, ops
-    from sglang_dsv4.kernels import fp8_cublas, fp8_moe, hc_split, kv_store
+    from sglang_dsv4.kernels import fp8_cublas, fp8_moe, hc_split, kv_store, triton_support
 
     return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
             "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE"),
             "branch_streams": (branches, "ENABLED"), "moe_fused_swiglu": (fp8_moe, "FUSED_SWIGLU"),
-            "stack_x": (ops, "STACK_X")}
+            "stack_x": (ops, "STACK_X"), "pdl": (triton_support, "PDL")}
 
 
 SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "branch_streams", "moe_fused_swiglu",
-            "stack_x")
+            "stack_x", "pdl")
 
 
 _AS_STARTED: dict[str, bool] = {}  # each switch as the process started, before any path set it

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from .triton_support import pow2, runs_on
+from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
 
@@ -58,7 +58,8 @@ def pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width: int) -> Tensor
     tok = tok.contiguous()
     block = min(pow2(d), MAX_BLOCK_D)
     c128_pool_kernel[(G, -(-d // block))](a, s, tok, state, out, width, d, a.stride(0), s.stride(0),
-                                                 tok.stride(0), BLOCK_D=block, num_warps=max(1, block // 64))
+                                                 tok.stride(0), BLOCK_D=block, num_warps=max(1, block // 64),
+                                                 **pdl_options(a))
     return out
 
 

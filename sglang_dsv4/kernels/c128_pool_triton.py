@@ -3,12 +3,15 @@
 import triton
 import triton.language as tl
 
+from .pdl_triton import await_predecessor
+
 
 @triton.jit
 def c128_pool_kernel(A, S, Tok, State, Out, width, d, a_stride, s_stride, tok_stride,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Program (g, j) runs segment g's online-softmax state over dims j*BLOCK_D.. through its
     positions in order: ``ops._absorb_position``'s arithmetic, one position at a time."""
+    await_predecessor(PDL)
     g = tl.program_id(axis=0).to(tl.int64)
     cols = tl.program_id(axis=1) * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = cols < d

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..core.compiled import on_gpu
 from ..quant import FP8_MAX, FP8_WEIGHT_BLOCK, dequantize_fp8_blockwise, pow2_scale
 from . import fp8_cublas
-from .triton_support import INTERPRET  # a module attribute here: tests switch it off
+from .triton_support import INTERPRET, pdl_options  # INTERPRET: a module attribute here, tests switch it off
 
 Tensor = torch.Tensor
 ACT_GROUP = 128          # activation quantisation group along K (= the weight block)
@@ -246,12 +246,12 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
         a_q, a_s, wq, ws, part, rows if rows is not None else dummy, block_expert if grouped else dummy,
         M, N, K, per,
         a_q.stride(0), a_s.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), N, M * N,
-        HAS_ROWS=rows is not None, GROUPED=grouped, **cfg)
+        HAS_ROWS=rows is not None, GROUPED=grouped, **cfg, **pdl_options(a_q))
     if splits > 1:
         if not sum_splits:
             return part
         split_k_sum_kernel[(-(-M * N // SPLIT_K_SUM_BLOCK),)](part, c, M * N, SPLIT_K=splits,
-                                                                      BLOCK=SPLIT_K_SUM_BLOCK)
+                                                                      BLOCK=SPLIT_K_SUM_BLOCK, **pdl_options(c))
     return c
 
 

@@ -52,6 +52,7 @@ from ..quant import FP8_WEIGHT_BLOCK
 from . import moe_layout
 from .expert_rows import expert_rows
 from .fp8_linear import Fp8Weight, add_splits, fp8_gemm, quantize_act, runs_kernel, sm_count, split_k
+from .triton_support import pdl_options
 
 Tensor = torch.Tensor
 
@@ -212,7 +213,7 @@ def swiglu_gemm(xq: Tensor, xs: Tensor, experts: Fp8Experts, token_of_row: Tenso
         xq.stride(0), xs.stride(0), w.q.stride(0), w.q.stride(1), w.scale.stride(0), w.scale.stride(1),
         yq.stride(0), ys.stride(0),
         CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8,
-        num_warps=8 if block_m >= 64 else 4, num_stages=3)
+        num_warps=8 if block_m >= 64 else 4, num_stages=3, **pdl_options(xq))
     return yq, ys
 
 

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .fp8_bits_triton import e4m3_groups, exp2_int
+from .pdl_triton import await_predecessor
 
 
 @triton.jit
@@ -29,10 +30,12 @@ def fp8_block_gemm_kernel(
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_cs,
     HAS_ROWS: tl.constexpr, GROUPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """C[m] = sum_k dequant(A[row(m)]) * dequant(B[e(m)])^T; row(m) = Rows[m] (-1: a zero row)
     or m; e(m) = BlockExpert[m // BLOCK_M] (-1: the block is written as zeros) or 0. Program
     (pid, s) sums K blocks s*KB_PER .. (s+1)*KB_PER-1 into C + s * stride_cs."""
+    await_predecessor(PDL)
     pid_k = tl.program_id(axis=1)
     pid_m, pid_n = _grouped_tile(tl.program_id(axis=0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -78,8 +81,9 @@ def fp8_block_gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["MN"])
-def split_k_sum_kernel(P, C, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def split_k_sum_kernel(P, C, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """C[i] = P[0, i] + P[1, i] + ... + P[SPLIT_K - 1, i] (flat [M * N]), in that order."""
+    await_predecessor(PDL)
     offs = tl.program_id(axis=0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(P + offs, mask=mask, other=0.0)
@@ -94,6 +98,7 @@ def fp8_swiglu_gemm_kernel(
     M, K, IP, limit,
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_ym, stride_ysm,
     CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``fp8_block_gemm_kernel`` over the stacked w1 | w3 (B [E, 2 IP, K]: w1 rows 0.., w3 rows
     IP..) with V4's gated SwiGLU and the activation quantisation as its epilogue. Program (m, n)
@@ -102,6 +107,7 @@ def fp8_swiglu_gemm_kernel(
     and the group of BLOCK_K values (= ``quantize_act``'s group): e4m3 bytes to Yq [M, IP] and the
     power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) to Ys [M, IP / BLOCK_K]. Rows of a
     block with no expert (-1) and padding rows (-1 in Rows) get y = 0, as the two-step path."""
+    await_predecessor(PDL)
     num_pid_n = IP // BLOCK_K
     pid_m, pid_n = _grouped_tile(tl.program_id(axis=0), tl.cdiv(M, BLOCK_M), num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

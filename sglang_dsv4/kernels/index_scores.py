@@ -25,7 +25,7 @@ import torch
 
 from .fp8_linear import sm_count
 from .kv_layout import IndexFp8Rows
-from .triton_support import runs_on
+from .triton_support import pdl_options, runs_on
 
 Tensor = torch.Tensor
 
@@ -77,7 +77,8 @@ def paged_index_scores(qi: Tensor, head_weights: Tensor, buf: Tensor, layout: In
         flat.view(torch.float32), table.contiguous(), tok_req.contiguous(), out,
         N, per, N, layout.page_bytes, layout.page_bytes // 4,
         HI=Hi, DI=Di, HI_P=_tile(Hi), DI_P=_tile(Di), P=P, BLOCK_N=block_n,
-        BF16_DOT=qi.is_cuda, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        BF16_DOT=qi.is_cuda, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **pdl_options(out))
     return out
 
 

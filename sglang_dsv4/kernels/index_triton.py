@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .pdl_triton import await_predecessor
+
 
 @triton.jit(do_not_specialize=["N", "BLOCKS_PER", "page_bytes", "page_words"])  # one compile per layout
 def index_scores_kernel(
@@ -10,11 +12,13 @@ def index_scores_kernel(
     N, BLOCKS_PER, stride_tab, page_bytes, page_words,
     HI: tl.constexpr, DI: tl.constexpr, HI_P: tl.constexpr, DI_P: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Out[t, n] = scale(r) * sum_h Wh[t, h] * relu(<Q[t, h], key(r)>), r = Table[TokReq[t], n]
     (storage row; a negative row reads row 0, to be masked by the caller). key(r): the e4m3 row
     of ``IndexFp8Rows`` (page r // P, offset r % P), scale(r) its fp32 power of two. Program
     (t, j) scores blocks j*BLOCKS_PER .. of BLOCK_N entries with the token's queries held."""
+    await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     pj = tl.program_id(axis=1)
     req = tl.load(TokReq + t).to(tl.int64)

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from .triton_support import pow2, runs_on
+from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
 
@@ -54,7 +54,7 @@ def store_row_bytes(buf: Tensor, page: Tensor, off: Tensor, segments: list[tuple
             raise ValueError(f"store_row_bytes: a segment is {src.dtype} {tuple(src.shape)}, not uint8 [{n}, w] rows")
         args += [src, src.stride(0), src.shape[1], base, stride]
     store_row_bytes_kernel[(n,)](buf, page.contiguous(), off.contiguous(), buf.stride(0), *args,
-                                 NUM_SEGMENTS=len(segments), BLOCK=BLOCK, num_warps=1)
+                                 NUM_SEGMENTS=len(segments), BLOCK=BLOCK, num_warps=1, **pdl_options(buf))
 
 
 def _rows(x: Tensor, width: int, page: Tensor, off: Tensor) -> Tensor:
@@ -75,7 +75,8 @@ def quantise_store_v4(buf: Tensor, page: Tensor, off: Tensor, x: Tensor, nope: i
         return
     quantise_store_v4_kernel[(x.shape[0],)](x, x.stride(0), buf, page.contiguous(), off.contiguous(), buf.stride(0),
                                             page_size * data_bytes, NOPE=nope, ROPE=rope, TILES_P=pow2(nope // 64),
-                                            DATA_BYTES=data_bytes, SCALE_BYTES=scale_bytes, num_warps=2)
+                                            DATA_BYTES=data_bytes, SCALE_BYTES=scale_bytes, num_warps=2,
+                                            **pdl_options(buf))
 
 
 @torch.compiler.disable  # a kernel launch, never traced
@@ -88,7 +89,7 @@ def quantise_store_index(buf: Tensor, page: Tensor, off: Tensor, x: Tensor, dim:
     if x.shape[0] == 0:
         return
     quantise_store_index_kernel[(x.shape[0],)](x, x.stride(0), buf, page.contiguous(), off.contiguous(), buf.stride(0),
-                                               page_size * dim, DIM=dim, num_warps=1)
+                                               page_size * dim, DIM=dim, num_warps=1, **pdl_options(buf))
 
 
 __all__ = ["FUSED_WRITE", "store_row_bytes", "supported", "quantise_store_v4", "quantise_store_index"]

@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from .fp8_bits_triton import bf16_bits, ceil_log2, e4m3_bits, e4m3_groups, exp2_int
+from .pdl_triton import await_predecessor
 
 
 @triton.jit
@@ -21,9 +22,10 @@ def store_row_bytes_kernel(Buf, Page, Off, page_stride,
                            S0, s0_stride, w0, b0, d0,
                            S1, s1_stride, w1, b1, d1,
                            S2, s2_stride, w2, b2, d2,
-                           NUM_SEGMENTS: tl.constexpr, BLOCK: tl.constexpr):
+                           NUM_SEGMENTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program t writes row t's byte segments (up to three: source, its row stride, width, base in
     the page, row stride in the page) to its row ``Off[t]`` of page ``Page[t]`` of ``Buf``."""
+    await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     page = tl.load(Page + t).to(tl.int64)
     off = tl.load(Off + t).to(tl.int64)
@@ -41,10 +43,11 @@ def store_row_bytes_kernel(Buf, Page, Off, page_stride,
 @triton.jit
 def quantise_store_v4_kernel(X, x_stride, Buf, Page, Off, page_stride, scales_base,
                              NOPE: tl.constexpr, ROPE: tl.constexpr, TILES_P: tl.constexpr,
-                             DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+                             DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, PDL: tl.constexpr = False):
     """Program t: row t of X (nope + rope floats) in FlashMLA's V4 layout (``kv_layout.V4Fp8Rows``)
     at row ``Off[t]`` of page ``Page[t]``: e4m3 nope with one ue8m0 scale per 64 values
     (``quant.fp8_qat``'s rule, amax floored at 1e-4), bf16 rope, zero scale padding."""
+    await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     page = tl.load(Page + t).to(tl.int64)
     off = tl.load(Off + t).to(tl.int64)
@@ -66,9 +69,11 @@ def quantise_store_v4_kernel(X, x_stride, Buf, Page, Off, page_stride, scales_ba
 
 
 @triton.jit
-def quantise_store_index_kernel(X, x_stride, Buf, Page, Off, page_stride, scales_base, DIM: tl.constexpr):
+def quantise_store_index_kernel(X, x_stride, Buf, Page, Off, page_stride, scales_base, DIM: tl.constexpr,
+                                PDL: tl.constexpr = False):
     """Program t: row t of X as an indexer key (``kv_layout.IndexFp8Rows``): e4m3 values and one
     fp32 power-of-two scale (amax floored at 1e-30), at row ``Off[t]`` of page ``Page[t]``."""
+    await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     page = tl.load(Page + t).to(tl.int64)
     off = tl.load(Off + t).to(tl.int64)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import pow2, runs_on
+from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
 
@@ -58,7 +58,7 @@ def row_layout(chosen: Tensor, gates: Tensor, first_expert: int, num_experts: in
     work = torch.empty(e_b, dtype=torch.int32, device=dev)
     moe_row_layout_kernel[(1,)](chosen.contiguous(), gates.contiguous(), token_of_row, block_expert, dest_of_pair,
                                 gate_of_row, work, P, M, first_expert, k, E=E, A=block_m, P_B=max(pow2(P), 16),
-                                E_B=e_b, CHUNK=CHUNK, num_warps=8 if P > 1024 else 4)
+                                E_B=e_b, CHUNK=CHUNK, num_warps=8 if P > 1024 else 4, **pdl_options(chosen))
     return token_of_row, block_expert, dest_of_pair, gate_of_row
 
 

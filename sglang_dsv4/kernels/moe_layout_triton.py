@@ -3,11 +3,13 @@
 import triton
 import triton.language as tl
 
+from .pdl_triton import await_predecessor
+
 
 @triton.jit(do_not_specialize=["P", "M", "first"])  # one compile per (E, A, block sizes)
 def moe_row_layout_kernel(Chosen, Gates, TokenOfRow, BlockExpert, DestOfPair, GateOfRow, Work,
                           P, M, first, K, E: tl.constexpr, A: tl.constexpr, P_B: tl.constexpr,
-                          E_B: tl.constexpr, CHUNK: tl.constexpr):
+                          E_B: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """``fp8_moe._row_layout`` by one program: the P (token, slot) pairs of ``Chosen`` (flat
     [T * K]) sorted by local expert (``first`` .. ``first`` + E - 1; others are not held here),
     each expert's rows padded to A, the M rows and M / A blocks written whole.
@@ -15,6 +17,7 @@ def moe_row_layout_kernel(Chosen, Gates, TokenOfRow, BlockExpert, DestOfPair, Ga
     Counts per expert by one histogram, group ends by a scan; a pair's row is its expert's group
     start plus its rank there, the rank read off one sort of (expert, pair) keys: pairs keep their
     order within a group, as ``expert_rows``' running count keeps it."""
+    await_predecessor(PDL)
     i = tl.arange(0, P_B)
     valid = i < P
     e = tl.load(Chosen + i, mask=valid, other=0).to(tl.int32) - first

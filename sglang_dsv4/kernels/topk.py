@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import pow2, runs_on
+from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
 
@@ -64,10 +64,10 @@ def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | N
     if method == "radix":
         work = torch.empty(T, kp, dtype=torch.int64, device=scores.device)
         topk_radix_kernel[(T,)](scores.contiguous(), num_visible.contiguous(), out, work, N, N, k, k,
-                                K_P=kp, CHUNK=chunk, num_warps=warps)
+                                K_P=kp, CHUNK=chunk, num_warps=warps, **pdl_options(out))
     elif method == "bitonic":
         topk_rows_kernel[(T,)](scores.contiguous(), num_visible.contiguous(), out, N, N, k, k,
-                               K_P=kp, CHUNK=chunk, num_warps=warps)
+                               K_P=kp, CHUNK=chunk, num_warps=warps, **pdl_options(out))
     else:
         raise ValueError(f"select_topk_rows: no method {method!r}")
     return out

@@ -3,15 +3,19 @@
 import triton
 import triton.language as tl
 
+from .pdl_triton import await_predecessor
+
 
 @triton.jit(do_not_specialize=["N", "K"])  # one compile per (K_P, CHUNK): every width and step
-def topk_rows_kernel(Scores, Visible, Out, N, stride_s, stride_o, K, K_P: tl.constexpr, CHUNK: tl.constexpr):
+def topk_rows_kernel(Scores, Visible, Out, N, stride_s, stride_o, K, K_P: tl.constexpr, CHUNK: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Out[t, i] = the column of row t's i-th largest key, i < min(K, N, Visible[t]); -1 past it.
 
     A key is ``ops._stable_topk``'s: the score's order-preserving bits (invisible columns scored
     -inf, -0 as +0) in the high half, N - 1 - column in the low half; keys are distinct, so the
     top K_P of the row is the top K_P of the chunks' top K_P's, whatever order they merge in.
     Program t walks its row in chunks of CHUNK (>= K_P), keeping the best K_P keys sorted."""
+    await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     vis = tl.load(Visible + t).to(tl.int64)
     lowest = -9223372036854775807 - 1  # below every key (the literal 2**63 would not be an int64)
@@ -45,11 +49,13 @@ def _row_keys(Scores, t, stride_s, vis, N, j):
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def topk_radix_kernel(Scores, Visible, Out, Work, N, stride_s, stride_o, K, K_P: tl.constexpr, CHUNK: tl.constexpr):
+def topk_radix_kernel(Scores, Visible, Out, Work, N, stride_s, stride_o, K, K_P: tl.constexpr, CHUNK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """``topk_rows_kernel``'s result by a radix select: four histogram passes over the row find
     the K'-th largest visible score's bits (K' = min(K, visible)) and how many of its ties to take (the lowest
     columns: the keys' order), one pass writes the K' chosen keys to row t of ``Work`` [T, K_P],
     and a sort of those K_P orders them."""
+    await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     vis = tl.load(Visible + t).to(tl.int64)
     lowest = -9223372036854775807 - 1

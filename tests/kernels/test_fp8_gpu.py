@@ -41,7 +41,7 @@ from sglang_dsv4.config import V4Config
 from sglang_dsv4.core import branches, compiled, ops
 from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.kernels import fp8_linear as fp8_linear_mod
-from sglang_dsv4.kernels import fp8_moe, kv_store
+from sglang_dsv4.kernels import fp8_moe, kv_store, triton_support
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_reference, fp8_linear, fp8_linear_reference
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from sglang_dsv4.kernels import weight_mode
@@ -396,6 +396,25 @@ def test_side_streams_give_the_plain_steps_bits(tiny_path, serving_rows, graphs,
         monkeypatch.setattr(branches, "ENABLED", streams)
         model, _ = _load(cfg, "fp8", path)
         out[streams] = _run(serving_rows, model, cfg, prompts, tails, graphs=graphs)
+        del model
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_pdl_launches_give_the_plain_launches_bits(tiny_path, serving_rows, graphs, monkeypatch):
+    """``SGLANG_DSV4_PDL``: the package's Triton kernels launched with programmatic dependent
+    launch (each waits for its predecessor before it reads or writes) compute what they compute
+    launched plainly, eager and captured into graphs (PDL edges inside a graph)."""
+    cfg, path = _source("tiny", tiny_path)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 130, 255)]
+    tails = torch.randint(0, cfg.vocab_size, (4, 6), generator=g).to(DEV)
+    out = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(triton_support, "PDL", pdl)
+        assert bool(triton_support.pdl_options(tails)) == pdl  # an SM90 GPU takes it
+        model, _ = _load(cfg, "fp8", path)
+        out[pdl] = _run(serving_rows, model, cfg, prompts, tails, graphs=graphs)
         del model
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
 
