@@ -36,18 +36,19 @@ A single pass measured the same kernels 3.60 and 4.03 ms apart at batch 1 (sessi
 ``--switches default,none,hc_fused_pre,fp8_cublas``: each new path once per set of the switched GPU
 kernels (``+``-joined names, exactly those on; ``none``: all off; ``default``: as the process
 started, the shipped defaults under the environment's overrides), side by side in this process,
-the path column naming the set (``graphs+fp8_cublas``, ``graphs+none``): ``hc_fused_pre`` = ``SGLANG_DSV4_HC_FUSED_PRE``
-(``kernels.hc_split``), ``fp8_cublas`` = ``SGLANG_DSV4_FP8_GEMM=cublas`` (``kernels.fp8_cublas``),
-``fold_shared`` = ``SGLANG_DSV4_FOLD_SHARED=1`` (the shared expert in the fp8 expert stacks,
-``kernels.fp8_moe``; read when a path's model is built), ``kv_fused_write`` =
-``SGLANG_DSV4_KV_FUSED_WRITE=1`` (the KV rows quantised inside their store's launch, ``kernels.kv_store``),
-``branch_streams`` = ``SGLANG_DSV4_BRANCH_STREAMS=1`` (a layer's independent chains on side
-streams, ``core.branches``), ``moe_fused_swiglu`` = ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1`` (the routed
-experts' SwiGLU as GEMM 1's epilogue, ``kernels.fp8_moe``), ``stack_x`` = ``SGLANG_DSV4_STACK_X=1``
-(an attention sublayer's input matrices stacked by storage kind, one GEMM each, ``core.ops``; read
-when a path's model is built), ``pdl`` = ``SGLANG_DSV4_PDL=1`` (this package's Triton kernels
-launched with programmatic dependent launch, ``kernels.pdl_triton``). The switches are read per call; a path's graphs keep what was on
-while they were captured.
+the path column naming the set (``graphs+fp8_cublas``, ``graphs+none``): ``hc_fused_pre`` =
+``SGLANG_DSV4_HC_FUSED_PRE`` (``kernels.hc_split``), ``fp8_cublas`` = ``SGLANG_DSV4_FP8_GEMM=cublas``
+(``kernels.fp8_cublas``), ``fold_shared`` = ``SGLANG_DSV4_FOLD_SHARED=1`` (the shared expert in
+the fp8 expert stacks, ``kernels.fp8_moe``; read when a path's model is built), ``kv_fused_write``
+= ``SGLANG_DSV4_KV_FUSED_WRITE=1`` (the KV rows quantised inside their store's launch,
+``kernels.kv_store``), ``branch_streams`` = ``SGLANG_DSV4_BRANCH_STREAMS=1`` (a layer's
+independent chains on side streams, ``core.branches``), ``moe_fused_swiglu`` =
+``SGLANG_DSV4_MOE_FUSED_SWIGLU=1`` (the routed experts' SwiGLU as GEMM 1's epilogue,
+``kernels.fp8_moe``), ``stack_x`` = ``SGLANG_DSV4_STACK_X=1`` (an attention sublayer's input
+matrices stacked by storage kind, one GEMM each, ``core.ops``; read when a path's model is
+built), ``pdl`` = ``SGLANG_DSV4_PDL=1`` (this package's Triton kernels launched with
+programmatic dependent launch, ``kernels.pdl_triton``). The switches are read per call; a path's
+graphs keep what was on while they were captured.
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
 dequantised matrices above, ``fp8`` random checkpoint-format tensors loaded in the fp8 weight

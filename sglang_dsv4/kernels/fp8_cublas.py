@@ -13,10 +13,11 @@ fp32 rounding (another accumulation order).
 Only the dense, ungathered GEMM (no row table, no experts) takes it, where K / 128 is a multiple
 of 4, N of 128 and M of 4 (CUDA 13.0's cuBLASLt on an H100 refuses M = 1, 2, 3, 5, 17 with
 CUBLAS_STATUS_NOT_SUPPORTED and takes 4, 8, 12, 16, 24, ..., 100, 256: session 31's probe), and
-only where it is faster (``faster``: from 64 rows and half a million outputs). Before a model's first GEMM (``fp8_linear.prepare``, from ``V4Model``) the
-library is checked against the Triton kernel on a small case, once per device; the Triton kernel
-stays if it raises or disagrees, so a torch or CUDA without the recipe, or a scale layout it
-reads otherwise, costs nothing but the log line. The choice is fixed before anything is traced
+only where it is faster (``faster``: from 64 rows and half a million outputs). Before a model's
+first GEMM (``fp8_linear.prepare``, from ``V4Model``) the library is checked against the Triton
+kernel on a small case, once per device; the Triton kernel stays if it raises or disagrees, so a
+torch or CUDA without the recipe, or a scale layout it reads otherwise, costs nothing but the
+log line. The choice is fixed before anything is traced
 or captured (the torch op's fake must give the launch's shape). ``benchmarks/bench_fp8_gemm.py
 --cublas`` times the two side by side.
 """

@@ -120,7 +120,8 @@ def test_the_combo_kernel_switch_names_an_option_this_torch_has():
     """``SGLANG_DSV4_COMBO_KERNELS=1`` hands Inductor an option it knows (an unknown one would fail
     the first compile on the GPU, not here); off, no options at all."""
     code = ("import torch, sglang_dsv4.core.compiled as c; "
-            "assert all(hasattr(torch._inductor.config, k) for k in c.INDUCTOR_OPTIONS); print(sorted(c.INDUCTOR_OPTIONS))")
+            "assert all(hasattr(torch._inductor.config, k) for k in c.INDUCTOR_OPTIONS); "
+            "print(sorted(c.INDUCTOR_OPTIONS))")
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_DSV4_COMBO_KERNELS"}
     on = subprocess.run([sys.executable, "-c", code], env={**env, "SGLANG_DSV4_COMBO_KERNELS": "1"},
                         capture_output=True, text=True, check=True)
