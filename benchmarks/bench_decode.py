@@ -501,20 +501,33 @@ def steps_needed(steps: int, rounds: int) -> int:
     return rounds * (2 * steps + 3) + 3
 
 
-def time_in_turns(paths: list, steps: int, rounds: int) -> list[tuple[float, float, float]]:
+def time_in_turns(paths: list, steps: int, rounds: int, failed=None) -> list[tuple[float, float, float] | None]:
     """(step ms, pipelined ms, spread %) of each path: ``rounds`` rounds, each timing every path
     once in turn (``time_steps`` then ``time_pipelined``), so a drift of the GPU's clocks or of the
     host spreads over all of them alike; the medians over the rounds, and the pipelined time's
-    spread (max - min over its median, %)."""
+    spread (max - min over its median, %). A path whose step raises is reported to ``failed``
+    (None: the error propagates) and left out of later rounds: None in its place."""
     drained: list[list[float]] = [[] for _ in paths]
     piped: list[list[float]] = [[] for _ in paths]
+    dead: set[int] = set()
     for _ in range(rounds):
         for i, path in enumerate(paths):
-            apply_switches(path)
-            drained[i].append(time_steps(path, steps) * 1e3)
-            piped[i].append(time_pipelined(path, steps) * 1e3)
-    out = []
-    for d, p in zip(drained, piped):
+            if i in dead:
+                continue
+            try:
+                apply_switches(path)
+                drained[i].append(time_steps(path, steps) * 1e3)
+                piped[i].append(time_pipelined(path, steps) * 1e3)
+            except Exception as e:
+                if failed is None:
+                    raise
+                failed(e)
+                dead.add(i)
+    out: list[tuple[float, float, float] | None] = []
+    for i, (d, p) in enumerate(zip(drained, piped)):
+        if i in dead:
+            out.append(None)
+            continue
         mid = statistics.median(p)
         out.append((statistics.median(d), mid, 100 * (max(p) - min(p)) / mid))
     return out
@@ -616,19 +629,24 @@ def main(argv: list[str] | None = None) -> int:
                         failed(e)
                         return None
 
-                # one at a time (rounds 1), or all alive and timed in turns
-                for group in ([[m] for m in paths] if args.rounds == 1 else [paths]):
-                    alive = [r for r in map(ready, group) if r is not None]
+                def profiled(path):
                     try:
-                        timed = time_in_turns([p for p, _ in alive], args.steps, args.rounds)
-                        profs = []
-                        for p, _ in alive:
-                            apply_switches(p)
-                            profs.append(profile_step(p))
+                        apply_switches(path)
+                        return profile_step(path)
                     except Exception as e:
                         failed(e)
-                        timed, profs = [], []
-                    for (path, prefill_s), (ms, piped, spread), prof in zip(alive, timed, profs):
+                        return None
+
+                # one at a time (rounds 1), or all alive and timed in turns; a path that fails ends
+                # only its own row
+                for group in ([[m] for m in paths] if args.rounds == 1 else [paths]):
+                    alive = [r for r in map(ready, group) if r is not None]
+                    timed = time_in_turns([p for p, _ in alive], args.steps, args.rounds, failed)
+                    for (path, prefill_s), t in zip(alive, timed):
+                        prof = None if t is None else profiled(path)
+                        if prof is None:
+                            continue
+                        ms, piped, spread = t
                         ratio = "" if before is None else f"{before / ms:.1f}x"
                         if path.name == "before":
                             before = ms
@@ -639,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{prefill_s:.2f} | {f'{spread:.1f}' if args.rounds > 1 else ''} |")
                         rows.append(line)
                         print(line, flush=True)
-                    del alive, timed, profs
+                    del alive, timed
                     torch.cuda.empty_cache()
         del w, ws
         torch.cuda.empty_cache()

@@ -48,3 +48,20 @@ def test_a_path_made_outside_switched_keeps_the_switches_as_they_are(monkeypatch
 def test_a_paths_cache_holds_every_round():
     # rounds x (3 warm-up + steps drained + steps pipelined) + the profiler's 3
     assert bench_decode.steps_needed(10, 1) == 26 and bench_decode.steps_needed(10, 3) == 72
+
+
+def test_a_path_that_fails_leaves_the_others_timed(monkeypatch):
+    a, b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
+    calls, errors = [], []
+
+    def fake_steps(path, steps):
+        calls.append(path.name)
+        if path is b:
+            raise RuntimeError("capture failed")
+        return 0.004
+
+    monkeypatch.setattr(bench_decode, "time_steps", fake_steps)
+    monkeypatch.setattr(bench_decode, "time_pipelined", lambda path, steps: 0.003)
+    out = bench_decode.time_in_turns([a, b], steps=2, rounds=3, failed=errors.append)
+    assert calls == ["a", "b", "a", "a"]  # b is dropped after its failure
+    assert out[1] is None and out[0] == (4.0, 3.0, 0.0) and len(errors) == 1
