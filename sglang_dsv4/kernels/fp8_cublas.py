@@ -17,9 +17,8 @@ only where it is faster (``faster``: from 64 rows and half a million outputs). B
 first GEMM (``fp8_linear.prepare``, from ``V4Model``) the library is checked against the Triton
 kernel on a small case, once per device; the Triton kernel stays if it raises or disagrees, so a
 torch or CUDA without the recipe, or a scale layout it reads otherwise, costs nothing but the
-log line. The choice is fixed before anything is traced
-or captured (the torch op's fake must give the launch's shape). ``benchmarks/bench_fp8_gemm.py
---cublas`` times the two side by side.
+log line. The choice is fixed before anything is traced or captured (the torch op's fake must give
+the launch's shape). ``benchmarks/bench_fp8_gemm.py --cublas`` times the two side by side.
 """
 
 from __future__ import annotations

@@ -381,22 +381,32 @@ def test_logits_against_the_bf16_path(which, tiny_path, serving_rows):
         assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
 
 
+def _fp8_logits_off_and_on(tiny_path, serving_rows, monkeypatch, module, attr: str, seed: int, graphs: bool,
+                           check=None) -> dict:
+    """The fp8 tiny model's prefill and decode logits with the switch ``module.attr`` off and on:
+    {False: (prefill, decode), True: ...}; ``check(tails)``, with the switch set, before each run."""
+    cfg, path = _source("tiny", tiny_path)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 130, 255)]
+    tails = torch.randint(0, cfg.vocab_size, (4, 6), generator=g).to(DEV)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(module, attr, on)
+        if check is not None:
+            check(tails)
+        model, _ = _load(cfg, "fp8", path)
+        out[on] = _run(serving_rows, model, cfg, prompts, tails, graphs=graphs)
+        del model
+    return out
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_side_streams_give_the_plain_steps_bits(tiny_path, serving_rows, graphs, monkeypatch):
     """``core.branches``: a layer's chains on side streams run the same kernels on the same
     inputs as the plain order, so prefill and decode logits are the same bits, eager and
     replayed from graphs (the CPU holds the branch layout to the plain one in
     ``tests/core/test_branches.py``; this is the GPU, streams and graph edges included)."""
-    cfg, path = _source("tiny", tiny_path)
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 130, 255)]
-    tails = torch.randint(0, cfg.vocab_size, (4, 6), generator=g).to(DEV)
-    out = {}
-    for streams in (False, True):
-        monkeypatch.setattr(branches, "ENABLED", streams)
-        model, _ = _load(cfg, "fp8", path)
-        out[streams] = _run(serving_rows, model, cfg, prompts, tails, graphs=graphs)
-        del model
+    out = _fp8_logits_off_and_on(tiny_path, serving_rows, monkeypatch, branches, "ENABLED", 6, graphs)
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
 
 
@@ -405,17 +415,11 @@ def test_pdl_launches_give_the_plain_launches_bits(tiny_path, serving_rows, grap
     """``SGLANG_DSV4_PDL``: the package's Triton kernels launched with programmatic dependent
     launch (each waits for its predecessor before it reads or writes) compute what they compute
     launched plainly, eager and captured into graphs (PDL edges inside a graph)."""
-    cfg, path = _source("tiny", tiny_path)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 130, 255)]
-    tails = torch.randint(0, cfg.vocab_size, (4, 6), generator=g).to(DEV)
-    out = {}
-    for pdl in (False, True):
-        monkeypatch.setattr(triton_support, "PDL", pdl)
-        assert bool(triton_support.pdl_options(tails)) == pdl  # an SM90 GPU takes it
-        model, _ = _load(cfg, "fp8", path)
-        out[pdl] = _run(serving_rows, model, cfg, prompts, tails, graphs=graphs)
-        del model
+    def taken_as_switched(tails):  # an SM90 GPU takes it
+        assert bool(triton_support.pdl_options(tails)) == triton_support.PDL
+
+    out = _fp8_logits_off_and_on(tiny_path, serving_rows, monkeypatch, triton_support, "PDL", 7, graphs,
+                                 check=taken_as_switched)
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
 
 
