@@ -269,8 +269,7 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
             "stack_x": (ops, "STACK_X"), "pdl": (triton_support, "PDL")}
 
 
-SWITCHES = ("hc_fused_pre", "fp8_cublas", "fold_shared", "kv_fused_write", "branch_streams", "moe_fused_swiglu",
-            "stack_x", "pdl")
+SWITCHES = tuple(_switch_modules())  # their names, for --switches
 
 
 _AS_STARTED: dict[str, bool] = {}  # each switch as the process started, before any path set it
