@@ -16,10 +16,11 @@
 # (bench_decode's `old` rows). BENCH_ARGS go to bench_decode, e.g.
 #   BENCH_ARGS='--configs flash8,flash43 --batches 1,16,64,256 --contexts 1024,16384,65536 --weights bf16,fp8'
 #   BENCH_ARGS='--configs flash8 --batches 1,64 --contexts 16384 --paths graphs,graphs-det --weights fp8'
-#   GENERIC_TOO=1 (then the same benchmark with SGLANG_DSV4_COMPILE=generic, core/compiled.py)
+#   GENERIC_TOO=1 (then the same benchmark with SGLANG_DSV4_COMPILE=generic, core/compiled.py;
+#   its files are decode_env0.md and bench_env0.log)
 #   ALSO_ENV='TORCHINDUCTOR_ENABLE_PDL=1;SGLANG_DSV4_COMBO_KERNELS=1' (then the same benchmark once
 #   per ';'-separated set of environment assignments, each its own process: switches read at
-#   import or compile time, which --switches cannot set per path)
+#   import or compile time, which --switches cannot set per path; ALSO_TIMEOUT each, 300 s)
 # (the deterministic mode's cost; benchmarks/chunk_invariance_gpu.py shows what it buys)
 # (the first steps of a process compile the fused ops: allow a minute or two per config; bench_decode
 # prints how many graphs it compiled and the seconds it took). SGLANG_DSV4_COMPILE=0 in front runs
@@ -89,13 +90,10 @@ if [ -z "${NO_BENCH:-}" ]; then
   echo "--- this tree"
   timeout ${BENCH_TIMEOUT:-480} python3 -m benchmarks.bench_decode "${old[@]}" --out "$OUT/decode_h200.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | grep "^|\|^package\|captured\|compiled graphs\|Error"
 fi
+# GENERIC_TOO: the opt-in shape-generic compilation (core/compiled.py) as one more such process, with
+# a compile cache of its own: cold compile time (prefill s) and decode speed beside the default's
 if [ -n "${GENERIC_TOO:-}" ]; then
-  # the opt-in shape-generic compilation (core/compiled.py), its own process and compile cache: cold
-  # compile time (prefill s) and decode speed beside the default's above
-  echo "--- this tree, SGLANG_DSV4_COMPILE=generic"
-  SGLANG_DSV4_COMPILE=generic TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generic TRITON_CACHE_DIR=/tmp/inductor-generic/triton \
-    timeout ${GENERIC_TIMEOUT:-300} python3 -m benchmarks.bench_decode --out "$OUT/decode_generic.md" ${BENCH_ARGS:-} 2>&1 \
-    | tee "$OUT/bench_generic.log" | grep "^|\|captured\|compiled graphs\|Error"
+  ALSO_ENV="SGLANG_DSV4_COMPILE=generic TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generic TRITON_CACHE_DIR=/tmp/inductor-generic/triton${ALSO_ENV:+;$ALSO_ENV}"
 fi
 if [ -n "${ALSO_ENV:-}" ]; then
   IFS=';' read -ra envsets <<< "$ALSO_ENV"
