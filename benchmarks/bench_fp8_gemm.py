@@ -13,7 +13,7 @@ the largest difference from the shipped configuration's result (0: the same bits
 instead, the dense shapes with the shipped Triton kernel against cuBLAS's block-scaled GEMM
 (``kernels.fp8_cublas``, ``SGLANG_DSV4_FP8_GEMM=cublas``, the default), side by side. ``--swiglu``:
 instead, the routed experts' GEMM 1 and the SwiGLU region after it against GEMM 1 with the
-SwiGLU as its epilogue (``fp8_moe.swiglu_gemm``, opt-in ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1``). Weights are
+SwiGLU as its epilogue (``fp8_moe.swiglu_gemm``, on by default, ``SGLANG_DSV4_MOE_FUSED_SWIGLU=0`` off). Weights are
 rotated through copies larger than the L2, as the layers of a step are. A harness: what a
 configuration costs decides ``_config``; nothing here is imported by the package.
 """

@@ -1,5 +1,5 @@
 """A hyper-connection ``hc_pre`` on the GPU at V4-Flash width: the default path against SGLang's
-fused mixes (``kernels.hc_split.hc_pre_split``, opt-in ``SGLANG_DSV4_HC_FUSED_PRE=1``), side by side.
+fused mixes (``kernels.hc_split.hc_pre_split``, on by default, ``SGLANG_DSV4_HC_FUSED_PRE=0`` off), side by side.
 
     python -m benchmarks.bench_hc_pre [--batches 1,16,64,256] [--dim 4096] [--reps 50]
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.serve_sweep --port 30000 [--concurrency 1,8,64] [--input-len 512]
         [--output-len 64] [--requests-per-client 4] [--label NAME] [--no-warmup]
-        [--hit-lengths 1024,16384,65536] [--hit-new 32]
+        [--hit-lengths 1024,16384,65536] [--hit-new 32] [--hits-first]
 
 Each client thread streams ``/generate`` requests back to back (greedy, ``ignore_eos``), prompts
 of random token ids (distinct per request, so no prefix is shared). Prints one markdown row per
@@ -18,7 +18,7 @@ batch size on a GPU server are not in its numbers.
 ``--hit-lengths``: then, for each prompt length, TTFT of that prompt cold (one output token) and
 of the same prompt with ``--hit-new`` new tokens after it (a cache hit: the cold request's finish
 snapshot is at its prompt's end), each measured twice after an untimed pair at that length, with
-the cached tokens SGLang reports.
+the cached tokens SGLang reports (after the concurrencies; ``--hits-first``: before them).
 """
 
 from __future__ import annotations
@@ -134,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                          "server's graph captures and compiles for that batch size are not timed)")
     ap.add_argument("--hit-lengths", default="", help="prompt lengths for cold vs cache-hit TTFT, e.g. 1024,16384")
     ap.add_argument("--hit-new", type=int, default=32, help="new tokens after the cached prompt")
+    ap.add_argument("--hits-first", action="store_true",
+                    help="the cache-hit rows before the concurrency sweep (a call that may run out of "
+                         "time keeps the hit rows, which are short)")
     args = ap.parse_args(argv)
     sweep(args.port, 2, 32, 8, 1, seed=99)  # warm-up: first captures, allocator growth
+    if args.hits_first:
+        hit_rows(args)
     print("| server | concurrency | output tok/s | TTFT ms | TPOT ms | ITL ms (median) | e2e s | requests "
           "| cache host reads / ms per step |\n|---|---|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
@@ -146,15 +151,23 @@ def main(argv: list[str] | None = None) -> int:
         waits = host_waits(before, cache_counters(args.port))
         print(f"| {args.label} | {c} | {r['tok_s']:.1f} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['itl_ms']:.2f} "
               f"| {r['e2e_s']:.2f} | {r['requests']} | {waits} |", flush=True)
-    if args.hit_lengths:
-        print(f"\n| server | prompt tokens | TTFT cold ms | TTFT hit ms (+{args.hit_new} new) | cached tokens |\n"
-              "|---|---|---|---|---|")
-        for n in (int(x) for x in args.hit_lengths.split(",")):
-            hit_ttft(args.port, n, args.hit_new, seed=20_000 + n)  # untimed: this length's compiles
-            runs = [hit_ttft(args.port, n, args.hit_new, seed=30_000 + n + k) for k in range(2)]
-            print(f"| {args.label} | {n} | {statistics.fmean(r['cold_ms'] for r in runs):.1f} "
-                  f"| {statistics.fmean(r['hit_ms'] for r in runs):.1f} | {runs[-1]['cached']} |", flush=True)
+    if not args.hits_first:
+        hit_rows(args)
     return 0
+
+
+def hit_rows(args: argparse.Namespace) -> None:
+    """The cold vs cache-hit TTFT table, one row per ``--hit-lengths`` prompt length."""
+    if not args.hit_lengths:
+        return
+    print(f"\n| server | prompt tokens | TTFT cold ms | TTFT hit ms (+{args.hit_new} new) | cached tokens |\n"
+          "|---|---|---|---|---|")
+    for n in (int(x) for x in args.hit_lengths.split(",")):
+        hit_ttft(args.port, n, args.hit_new, seed=20_000 + n)  # untimed: this length's compiles
+        runs = [hit_ttft(args.port, n, args.hit_new, seed=30_000 + n + k) for k in range(2)]
+        print(f"| {args.label} | {n} | {statistics.fmean(r['cold_ms'] for r in runs):.1f} "
+              f"| {statistics.fmean(r['hit_ms'] for r in runs):.1f} | {runs[-1]['cached']} |", flush=True)
+    print(flush=True)
 
 
 if __name__ == "__main__":

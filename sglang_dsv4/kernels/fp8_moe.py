@@ -31,7 +31,7 @@ the routed experts' (V4 clamps both alike) and a gate of 1 changes no bit; the o
 routed slots and then the shared one, summed.
 
 The gated SwiGLU and its quantisation can run as GEMM 1's epilogue (``fp8_triton.
-fp8_swiglu_gemm_kernel``, opt-in ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1``): a program computes 128 w1
+fp8_swiglu_gemm_kernel``, on by default, ``SGLANG_DSV4_MOE_FUSED_SWIGLU=0`` off): a program computes 128 w1
 and the matching 128 w3 columns of its rows, so the activation's quantisation group is whole in
 it. GEMM 1's float32 output (a write and a read of [M, 2 Ip] floats a layer) and the region
 between the GEMMs go. Only where GEMM 1 needs no split of K (``split_k``; from about 8 tokens a
@@ -60,8 +60,9 @@ Tensor = torch.Tensor
 # docstring); read when the model stacks its experts (``V4Model``), opt-in until timed on the GPU.
 FOLD_SHARED = os.environ.get("SGLANG_DSV4_FOLD_SHARED", "0") == "1"
 # Whether GEMM 1 takes the SwiGLU and quantisation as its epilogue where it can (module docstring);
-# read per call, opt-in until timed on the GPU.
-FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "0") == "1"
+# read per call; on by default since session 32 (no slower at batch 1 and 16, the bigger batches
+# lose GEMM 1's float32 output).
+FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "1") == "1"
 
 
 @dataclass(frozen=True)

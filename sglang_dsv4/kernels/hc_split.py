@@ -10,8 +10,8 @@ server) ``hc_split_sinkhorn`` launches it; elsewhere (the standalone core, a CPU
 and ``ops.hc_pre`` keeps its torch ops (``ops.hc_split_torch``). Its public wrapper ``hc_split_sinkhorn`` is not called:
 on Hopper it takes a TileLang kernel, which the serving image does not have.
 
-``hc_pre_split`` (opt-in, ``SGLANG_DSV4_HC_FUSED_PRE=1``, until the GPU has timed it against the
-default) goes one step further with SGLang's ``hc_mix_stats_sinkhorn``: the mixes' GEMM and the
+``hc_pre_split`` (on by default since session 32, ``SGLANG_DSV4_HC_FUSED_PRE=0`` off; 1.04-1.46x
+faster per call than the split below on an H100, ``benchmarks/bench_hc_pre.py``) goes one step further with SGLang's ``hc_mix_stats_sinkhorn``: the mixes' GEMM and the
 streams' sum of squares as one split-K Triton kernel, then the RMS scale, split and Sinkhorn as a
 second, two launches for what is a cuBLAS sgemm, its split-K reduction, ~3 Inductor kernels and the
 split kernel by default (the session-27 census: ~5 launches per ``hc_pre``, 16 calls a flash8
@@ -36,7 +36,7 @@ from .triton_support import INTERPRET  # a module attribute here: tests switch i
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
-FUSED_PRE = os.environ.get("SGLANG_DSV4_HC_FUSED_PRE", "0") == "1"
+FUSED_PRE = os.environ.get("SGLANG_DSV4_HC_FUSED_PRE", "1") == "1"
 MIX_BLOCK_K = 64  # the K tile of SGLang's mixes GEMM (``_HC_MIX_BLOCK_K``): hc * D must be a multiple of it
 
 

@@ -9,8 +9,8 @@ segments (e4m3 nope, bf16 rope, scales) from the quantiser's outputs to their ad
 same bytes (tested against the torch store under the interpreter, and on the GPU). Shapes only
 decide the launch (CUDA graphs).
 
-``quantise_store_v4`` / ``quantise_store_index`` (opt-in, ``SGLANG_DSV4_KV_FUSED_WRITE=1``, until
-timed on the GPU) also quantise in that launch: the quantiser's region is about three kernels a
+``quantise_store_v4`` / ``quantise_store_index`` (on by default since session 32,
+``SGLANG_DSV4_KV_FUSED_WRITE=0`` off; 2% off flash8's batch-1 and 16 steps on an H100) also quantise in that launch: the quantiser's region is about three kernels a
 write (42 launches of a flash8 decode step, session-27 census) before the store's one. The
 arithmetic is the quantiser's on the float bits (exact powers of two, round-to-nearest-even casts):
 the bytes the torch quantiser and store leave, tested under the interpreter.
@@ -28,7 +28,7 @@ Tensor = torch.Tensor
 
 BLOCK = 128  # bytes a program copies at once
 # the fp8 layouts' writes quantise inside the store's launch (module docstring); read per write
-FUSED_WRITE = os.environ.get("SGLANG_DSV4_KV_FUSED_WRITE", "0") == "1"
+FUSED_WRITE = os.environ.get("SGLANG_DSV4_KV_FUSED_WRITE", "1") == "1"
 
 
 def supported(buf: Tensor) -> bool:

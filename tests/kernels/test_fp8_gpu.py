@@ -425,10 +425,12 @@ def test_pdl_launches_give_the_plain_launches_bits(tiny_path, serving_rows, grap
 
 @pytest.mark.parametrize("fold,streams,fused_write,swiglu,stack_x", [
     (False, False, False, False, False), (True, False, False, False, False), (False, True, False, False, False),
-    (False, False, True, False, False), (False, False, False, True, False), (False, True, False, False, True)])
+    (False, False, True, False, False), (False, False, False, True, False), (False, True, False, False, True),
+    (False, True, True, True, False)])  # the last: the defaults since session 32
 def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, streams, fused_write, swiglu,
                                                         stack_x, monkeypatch):
-    """With each opt-in switch of the fp8 step: ``fold``, the shared expert folded into the expert
+    """With each switch of the fp8 step alone (the hyper-connection mixes as they default), then
+    the defaults together: ``fold``, the shared expert folded into the expert
     stacks (``fp8_moe.FOLD_SHARED``); ``streams``, a layer's chains on side streams
     (``core.branches``); ``fused_write``, KV rows quantised in their store's launch
     (``kv_store.FUSED_WRITE``); ``swiglu``, the experts' SwiGLU as GEMM 1's epilogue

@@ -1,5 +1,5 @@
-"""``kernels.hc_split.hc_pre_split`` on the GPU (SGLang's fused mixes, split and Sinkhorn, opt-in
-``SGLANG_DSV4_HC_FUSED_PRE=1``) against the default path it would replace, at V4-Flash width:
+"""``kernels.hc_split.hc_pre_split`` on the GPU (SGLang's fused mixes, split and Sinkhorn, on by
+default, ``SGLANG_DSV4_HC_FUSED_PRE=0`` off) against the split it replaces, at V4-Flash width:
 equal to rounding, a row's bits the same alone and in a batch, graph replay = eager."""
 
 from __future__ import annotations
