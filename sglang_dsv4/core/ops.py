@@ -299,8 +299,8 @@ X_MATRICES = ("attn.wq_a.weight", "attn.wkv.weight", "attn.compressor.wkv.weight
               "attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight",
               "attn.indexer.weights_proj.weight")
 X_STACK = "attn.x_stack."  # + storage kind ("fp8", "bfloat16", ...): a layer's stacked matrices
-# opt-in until timed on the GPU (``bench_decode --switches stack_x``): a GPU model stacks them at
-# construction (``V4Model._stack_x_matrices``)
+# opt-in (session 32, H100: 1% slower at batch 1, even at 16, 17 s more compile; ``bench_decode
+# --switches stack_x``): a GPU model stacks them at construction (``V4Model._stack_x_matrices``)
 STACK_X = os.environ.get("SGLANG_DSV4_STACK_X", "0") == "1"
 
 

@@ -11,12 +11,13 @@ and ``ops.hc_pre`` keeps its torch ops (``ops.hc_split_torch``). Its public wrap
 on Hopper it takes a TileLang kernel, which the serving image does not have.
 
 ``hc_pre_split`` (on by default since session 32, ``SGLANG_DSV4_HC_FUSED_PRE=0`` off; 1.04-1.46x
-faster per call than the split below on an H100, ``benchmarks/bench_hc_pre.py``) goes one step further with SGLang's ``hc_mix_stats_sinkhorn``: the mixes' GEMM and the
-streams' sum of squares as one split-K Triton kernel, then the RMS scale, split and Sinkhorn as a
-second, two launches for what is a cuBLAS sgemm, its split-K reduction, ~3 Inductor kernels and the
-split kernel by default (the session-27 census: ~5 launches per ``hc_pre``, 16 calls a flash8
-step). Its K slicing depends on K alone, so a row's mixes are the same bits alone or in any batch;
-its dot products are "tf32x3" (fp32 to rounding, another summation order than cuBLAS's).
+faster per call on an H100, ``benchmarks/bench_hc_pre.py``) goes one step further with SGLang's
+``hc_mix_stats_sinkhorn``: the mixes' GEMM and the streams' sum of squares as one split-K Triton
+kernel, then the RMS scale, split and Sinkhorn as a second, two launches for what is a cuBLAS sgemm,
+its split-K reduction, ~3 Inductor kernels and the split kernel by default (the session-27 census:
+~5 launches per ``hc_pre``, 16 calls a flash8 step). Its K slicing depends on K alone, so a row's
+mixes are the same bits alone or in any batch; its dot products are "tf32x3" (fp32 to rounding,
+another summation order than cuBLAS's).
 
 Importing SGLang's module loads ``sglang.srt`` (a few seconds, once); under ``TRITON_INTERPRET=1``
 the kernels also run on CPU tensors (the tests).

@@ -10,10 +10,11 @@ same bytes (tested against the torch store under the interpreter, and on the GPU
 decide the launch (CUDA graphs).
 
 ``quantise_store_v4`` / ``quantise_store_index`` (on by default since session 32,
-``SGLANG_DSV4_KV_FUSED_WRITE=0`` off; 2% off flash8's batch-1 and 16 steps on an H100) also quantise in that launch: the quantiser's region is about three kernels a
-write (42 launches of a flash8 decode step, session-27 census) before the store's one. The
-arithmetic is the quantiser's on the float bits (exact powers of two, round-to-nearest-even casts):
-the bytes the torch quantiser and store leave, tested under the interpreter.
+``SGLANG_DSV4_KV_FUSED_WRITE=0`` off; 2% off flash8's batch-1 and 16 steps on an H100) also quantise
+in that launch: the quantiser's region is about three kernels a write (42 launches of a flash8
+decode step, session-27 census) before the store's one. The arithmetic is the quantiser's on the
+float bits (exact powers of two, round-to-nearest-even casts): the bytes the torch quantiser and
+store leave, tested under the interpreter.
 """
 
 from __future__ import annotations
