@@ -205,7 +205,8 @@ def create_tokenized_object(original, manager, obj, input_text, input_ids, *args
 
     if (isinstance(obj, GenerateReqInput) and input_ids is not None
             and not _strict_thinking(manager.server_args)):
-        new_params = thinking_sampling_params(dict(obj.sampling_params or {}), list(input_ids),
+        ids = input_ids if isinstance(input_ids, list) else list(input_ids)
+        new_params = thinking_sampling_params(dict(obj.sampling_params or {}), ids,
                                               manager.tokenizer, manager.server_args)
         if new_params is not None:
             obj.sampling_params = new_params

@@ -198,6 +198,17 @@ def test_a_bad_answer_grammar_is_an_invalid_grammar_not_a_crash(tok, backend):
     assert isinstance(g, InvalidGrammarObject) and "think budget grammar" in g.error_message
 
 
+def test_open_think_length_is_the_tokens_after_a_last_marker_that_opens():
+    """Every prompt of up to 6 tokens over {other, <think>, </think>}, as a list and a tuple."""
+    import itertools
+
+    for n in range(7):
+        for ids in itertools.product((5, THINK_START_ID, THINK_END_ID), repeat=n):
+            marks = [i for i, t in enumerate(ids) if t in (THINK_START_ID, THINK_END_ID)]
+            want = n - 1 - marks[-1] if marks and ids[marks[-1]] == THINK_START_ID else None
+            assert th.open_think_length(list(ids)) == want and th.open_think_length(ids) == want, ids
+
+
 def test_open_think_length_and_effective_budget():
     assert th.open_think_length([0, 5, THINK_START_ID]) == 0
     assert th.open_think_length([0, THINK_START_ID, 7, 8, 9]) == 3
