@@ -100,8 +100,9 @@ def generate_contract_error(result: Optional[str], body: Any, *args, **kwargs) -
         return result
     batched = isinstance(ids[0], list)
     for b, one in enumerate(ids if batched else [ids]):
-        # a malformed element (a float, a nested list) is the body parser's to refuse
-        if isinstance(one, list) and all(type(t) is int for t in one):
+        # a malformed element (a float, a bool, a nested list) is the body parser's to refuse;
+        # the types' set is one C-level pass (a 64K-token prompt: ~0.9 ms, ~2.5 ms as a generator)
+        if isinstance(one, list) and (not one or set(map(type, one)) == {int}):
             error = prompt_ids_error(one, vocab_size, f"input_ids[{b}]" if batched else "input_ids")
             if error is not None:
                 return error

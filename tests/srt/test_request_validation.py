@@ -13,6 +13,7 @@ import re
 import pytest
 import requests
 
+from sglang_dsv4.srt import request_validation
 from sglang_dsv4.srt.request_validation import logprob_fields_error, prompt_ids_error
 from sglang_dsv4.tiny import preset_config
 from test_server_e2e import Server, running_servers
@@ -34,6 +35,16 @@ def test_prompt_ids_error_names_field_index_id_and_vocab(bad):
 def test_prompt_ids_error_accepts_the_whole_range_and_refuses_empty():
     assert prompt_ids_error([0, 1, VOCAB - 1], VOCAB) is None
     assert prompt_ids_error([], VOCAB) == "input_ids is empty: a prompt needs at least one token"
+
+
+def test_generate_body_check_names_bad_and_empty_prompts_and_leaves_malformed_ones(monkeypatch):
+    monkeypatch.setattr(request_validation, "_vocab_size_if_ours", lambda: VOCAB)
+    check = request_validation.generate_contract_error
+    assert check(None, {"input_ids": [[0, 11], []]}) == "input_ids[1] is empty: a prompt needs at least one token"
+    assert check(None, {"input_ids": [0, 11, VOCAB]}).startswith(f"input_ids[2] = {VOCAB} is not a token id")
+    for malformed in ([0, 11.0, -1], [0, True, -1], [0, [1], -1]):  # the body parser's to refuse
+        assert check(None, {"input_ids": malformed}) is None
+    assert check(None, {"input_ids": GOOD_IDS}) is None and check("upstream's", {"input_ids": [-1]}) == "upstream's"
 
 
 def test_logprob_fields_error_bounds():
