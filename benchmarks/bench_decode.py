@@ -543,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time a case's paths in this many rounds, in turns, all of them alive at once "
                          "(medians over the rounds; the spread column): differences of a few percent "
-                         "between switch sets need more than one (1: one path at a time, as before)")
+                         "between switch sets need more than one (1: one path at a time, as before); "
+                         "each path holds its own model: flash8 at batch 256 fits about three on an H100")
     ap.add_argument("--old-max-batch", type=int, default=64, help="skip the old path above this batch")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new cases after this")
     ap.add_argument("--paths", default="batched,graphs",
