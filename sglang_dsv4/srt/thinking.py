@@ -148,9 +148,9 @@ def open_think_length(input_ids: Sequence[int]) -> Optional[int]:
     The prompt is inside thinking when its last think marker is ``<think>``; the tokens after it
     (a continued assistant message's reasoning) count against the budget. Every /generate
     request asks this of its prompt: the two reversed searches run in C (a 64K-token prompt
-    without markers: ~0.3 ms, against ~2 ms for a Python loop over it).
+    without markers: ~0.5 ms, against ~2 ms for a Python loop over it).
     """
-    rev = input_ids[::-1] if isinstance(input_ids, (list, tuple)) else list(input_ids)[::-1]
+    rev = list(reversed(input_ids))
     since_start = _first_index(rev, THINK_START_ID)
     if since_start is None:
         return None

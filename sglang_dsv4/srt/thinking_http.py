@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..tokenizer_files import THINK_END_ID, THINK_START_ID
 from .thinking import (
@@ -205,15 +205,14 @@ def create_tokenized_object(original, manager, obj, input_text, input_ids, *args
 
     if (isinstance(obj, GenerateReqInput) and input_ids is not None
             and not _strict_thinking(manager.server_args)):
-        ids = input_ids if isinstance(input_ids, list) else list(input_ids)
-        new_params = thinking_sampling_params(dict(obj.sampling_params or {}), ids,
+        new_params = thinking_sampling_params(dict(obj.sampling_params or {}), input_ids,
                                               manager.tokenizer, manager.server_args)
         if new_params is not None:
             obj.sampling_params = new_params
     return original(manager, obj, input_text, input_ids, *args, **kwargs)
 
 
-def thinking_sampling_params(params: dict, input_ids: list[int], tokenizer, server_args) -> Optional[dict]:
+def thinking_sampling_params(params: dict, input_ids: Sequence[int], tokenizer, server_args) -> Optional[dict]:
     """Sampling params with the think bound as our grammar key, or None when not ours.
 
     Ours: a budget was given (chat settles it into ``custom_params.dsv4_thinking``; /generate
