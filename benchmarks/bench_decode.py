@@ -266,7 +266,8 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
     return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
             "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE"),
             "branch_streams": (branches, "ENABLED"), "moe_fused_swiglu": (fp8_moe, "FUSED_SWIGLU"),
-            "stack_x": (ops, "STACK_X"), "pdl": (triton_support, "PDL")}
+            "stack_x": (ops, "STACK_X"), "pdl": (triton_support, "PDL"),
+            "expert_blocks": (fp8_moe, "EXPERT_BLOCKS")}
 
 
 SWITCHES = tuple(_switch_modules())  # their names, for --switches

@@ -1,7 +1,7 @@
 """Tile configurations of the fp8 block GEMM (``kernels.fp8_linear``) at decode shapes, on the GPU.
 
     python -m benchmarks.bench_fp8_gemm [--tokens 1,64,256] [--experts 32,8] [--dense-tokens 1,64,256]
-        [--stages 3,4] [--reps 30] [--cublas] [--swiglu]
+        [--stages 3,4] [--reps 30] [--cublas] [--swiglu] [--blocks]
 
 Times ``fp8_gemm`` on V4-Flash's dense projection shapes and on the routed experts' two grouped
 GEMMs (k = 6 of E experts, random routing, the row layout of ``fp8_moe``), once with the
@@ -13,7 +13,9 @@ the largest difference from the shipped configuration's result (0: the same bits
 instead, the dense shapes with the shipped Triton kernel against cuBLAS's block-scaled GEMM
 (``kernels.fp8_cublas``, ``SGLANG_DSV4_FP8_GEMM=cublas``, the default), side by side. ``--swiglu``:
 instead, the routed experts' GEMM 1 and the SwiGLU region after it against GEMM 1 with the
-SwiGLU as its epilogue (``fp8_moe.swiglu_gemm``, on by default, ``SGLANG_DSV4_MOE_FUSED_SWIGLU=0`` off). Weights are
+SwiGLU as its epilogue (``fp8_moe.swiglu_gemm``, on by default, ``SGLANG_DSV4_MOE_FUSED_SWIGLU=0`` off). ``--blocks``:
+instead, the experts' whole pass with the rows per expert block by pair count (the default)
+against by pairs per expert (``fp8_moe.EXPERT_BLOCKS``). Weights are
 rotated through copies larger than the L2, as the layers of a step are. A harness: what a
 configuration costs decides ``_config``; nothing here is imported by the package.
 """
@@ -113,7 +115,7 @@ def grouped_cases(tokens: list[int], experts: list[int], g: torch.Generator):
                 tok, be, _, _ = fp8_moe._row_layout(chosen, gates, 0, E, A, M)
                 return tok, be, M
 
-            shipped = fp8_moe.block_rows(chosen.numel())
+            shipped = fp8_moe.block_rows(chosen.numel(), E)
             lay = {A: layout(A) for A in (16, 32, 64)}
             def w13_gemm(bm, lay=lay, xq=xq, xs=xs, shipped=shipped, w13=w13):
                 A = bm or shipped
@@ -185,6 +187,44 @@ def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g:
                   f"{differ.item():.1e} |", flush=True)
 
 
+def blocks_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator) -> None:
+    """The routed experts' whole pass (``fp8_moe.fp8_grouped_experts``: layout, quantiser, both
+    GEMMs, the slot sum) with the rows per block by pair count (the default) against by pairs per
+    expert (``fp8_moe.EXPERT_BLOCKS``), side by side, and the largest difference between them."""
+    print("| experts | tokens | pairs / expert | block rows (default -> per expert) | default us | per expert us "
+          "| speed-up | roofline us | per expert / roofline | max rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    was = fp8_moe.EXPERT_BLOCKS
+    try:
+        for E in experts:
+            copies = max(2, math.ceil(2 * L2_BYTES / (E * 3 * INTER * DIM)))
+            stacks = [fp8_moe.Fp8Experts(random_fp8((E, 2 * INTER, DIM), g), random_fp8((E, DIM, INTER), g), INTER)
+                      for _ in range(copies)]
+            for t in tokens:
+                chosen = torch.rand(t, E, generator=g, device="cuda").topk(min(TOPK, E), -1).indices
+                gates = torch.rand(chosen.shape, generator=g, device="cuda")
+                x = torch.randn(t, DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+                it = itertools.cycle(stacks)
+
+                def moe(s=None):
+                    return fp8_moe.fp8_grouped_experts(x, chosen, gates, s or next(it), 0, 10.0)
+
+                got, us, rows = {}, {}, {}
+                for rule in (False, True):
+                    fp8_moe.EXPERT_BLOCKS = rule
+                    rows[rule] = fp8_moe.block_rows(chosen.numel(), E)
+                    got[rule] = moe(stacks[0]).float()
+                    us[rule] = time_us(moe, reps)
+                diff = ((got[True] - got[False]).abs().max() / got[False].abs().max().clamp_min(1e-30)).item()
+                used = int(torch.unique(chosen).numel())
+                roof = used * 3 * INTER * DIM / bw * 1e6
+                print(f"| {E} | {t} | {chosen.numel() / E:.1f} | {rows[False]} -> {rows[True]} | {us[False]:.1f} | "
+                      f"{us[True]:.1f} | {us[False] / us[True]:.2f}x | {roof:.1f} | {us[True] / roof:.2f} | {diff:.1e} |",
+                      flush=True)
+    finally:
+        fp8_moe.EXPERT_BLOCKS = was
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,64,256")
@@ -193,6 +233,9 @@ def main() -> None:
     ap.add_argument("--dense-tokens", default="1,64,256", help="token counts of the dense cases ('' for none)")
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--cublas", action="store_true", help="the dense shapes, Triton against cuBLAS, only")
+    ap.add_argument("--blocks", action="store_true",
+                    help="the experts' whole pass with the rows per block by pair count against by pairs per "
+                         "expert (fp8_moe.EXPERT_BLOCKS), only")
     ap.add_argument("--swiglu", action="store_true",
                     help="the experts' GEMM 1 + SwiGLU region against GEMM 1 with the SwiGLU epilogue, only")
     args = ap.parse_args()
@@ -202,6 +245,8 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     if args.cublas:
         return cublas_table([int(t) for t in args.dense_tokens.split(",")], args.reps, bw, g)
+    if args.blocks:
+        return blocks_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g)
     if args.swiglu:
         return swiglu_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g)
     tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=int(ns)) for bn in (64, 128, 256) for nw in (4, 8)

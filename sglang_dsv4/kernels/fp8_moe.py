@@ -20,6 +20,15 @@ twice with our activation between, the GEMM of ``fp8_linear`` (the inner loop of
 fp8 matmul, with the fused MoE's row table and per-block experts), so that the dense and expert
 paths share one kernel.
 
+Rows per block: by default 16 below 1024 pairs and 64 from there, whatever the expert count. A
+block's rows are padding beyond its expert's pairs, and each block of an expert reads that
+expert's weights, so the count that matters is the rows an expert gets on average, pairs / E:
+V4-Flash's 256 experts at 256 tokens get 6 each (64-row blocks: ~10x the rows' MMA work), a
+43-layer model with 8 experts at 64 tokens 48 (16-row blocks: each expert's weights read 3
+times; 64-row blocks 1.7-1.8x faster per GEMM, ``fp8_h200.md`` session 12). ``EXPERT_BLOCKS``
+(opt-in, ``SGLANG_DSV4_EXPERT_BLOCKS=1``) takes 64 rows from 32 pairs an expert on average, 16
+below; the flash8 (32 experts) cases keep their blocks at batch 1 to 256.
+
 Shapes depend only on (T, k, local experts): no host sync, CUDA-graph capturable. Pairs routed
 to experts another rank holds (expert parallelism) are dropped; their output is zero.
 
@@ -64,6 +73,10 @@ FOLD_SHARED = os.environ.get("SGLANG_DSV4_FOLD_SHARED", "0") == "1"
 # read per call; on by default since session 32 (no slower at batch 1 and 16, the bigger batches
 # lose GEMM 1's float32 output).
 FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "1") == "1"
+# Whether the rows per expert block follow the pairs a local expert gets (module docstring); read
+# per call; opt-in until timed on a GPU (``bench_fp8_gemm --blocks``, ``bench_decode --switches``).
+EXPERT_BLOCKS = os.environ.get("SGLANG_DSV4_EXPERT_BLOCKS", "0") == "1"
+EXPERT_BLOCK_ROWS_64 = 32  # rows an expert gets on average from which its blocks take 64 rows
 
 
 @dataclass(frozen=True)
@@ -119,15 +132,19 @@ def stack_fp8_experts(w1: list[Fp8Weight], w3: list[Fp8Weight], w2: list[Fp8Weig
     return stack, views
 
 
-def block_rows(pairs: int) -> int:
-    """Rows per expert block: 16 for decode-sized batches, 64 for prefill-sized ones."""
+def block_rows(pairs: int, experts: int | None = None) -> int:
+    """Rows per expert block: 16 for decode-sized batches, 64 for prefill-sized ones (1024 pairs
+    on). With ``EXPERT_BLOCKS`` and the local expert count, by the rows an expert gets on average
+    instead: 64 from 32 pairs an expert, else 16 (module docstring)."""
+    if EXPERT_BLOCKS and experts:
+        return 64 if pairs >= EXPERT_BLOCK_ROWS_64 * experts else 16
     return 16 if pairs < 1024 else 64
 
 
 def grouped_rows(pairs: int, experts: int) -> tuple[int, int]:
     """(rows per expert block, rows of the grouped GEMMs) for ``pairs`` (token, slot) pairs over
     ``experts`` local experts: room for every expert's padding, a whole number of blocks."""
-    A = block_rows(pairs)
+    A = block_rows(pairs, experts)
     return A, math.ceil((pairs + min(pairs, experts) * (A - 1)) / A) * A
 
 
@@ -229,5 +246,5 @@ def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int, dtype: torch.dtype) ->
     return pairs.view(-1, k, out.shape[1]).sum(1)
 
 
-__all__ = ["FOLD_SHARED", "FUSED_SWIGLU", "Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows",
+__all__ = ["EXPERT_BLOCKS", "FOLD_SHARED", "FUSED_SWIGLU", "Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows",
            "grouped_rows", "swiglu_epilogue_fits", "swiglu_gemm"]

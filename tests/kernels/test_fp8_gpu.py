@@ -166,10 +166,13 @@ def test_grouped_fp8_experts_fused_regions_give_the_eager_result(first, local, m
         assert err.max() < 2e-2, err.max().item()
 
 
-@pytest.mark.parametrize("first, local", [(0, 32), (16, 16)])
-def test_grouped_fp8_experts_match_the_reference_gemm(first, local, monkeypatch):
+@pytest.mark.parametrize("expert_blocks", [False, True])
+@pytest.mark.parametrize("first, local", [(0, 32), (16, 16), (8, 8)])
+def test_grouped_fp8_experts_match_the_reference_gemm(first, local, expert_blocks, monkeypatch):
     """The grouped kernel vs the same layout through the torch GEMM (V4-Flash expert shapes, k=6,
-    all experts or an EP share)."""
+    all experts or an EP share), the rows per block by pair count or by pairs an expert gets
+    (``EXPERT_BLOCKS``: 64-row blocks at 64 tokens over 8 experts, and at 300 over 16 or 32)."""
+    monkeypatch.setattr(fp8_moe, "EXPERT_BLOCKS", expert_blocks)
     g = torch.Generator(device=DEV).manual_seed(1)
     stack = _flash_experts(local, g)
     for T in (1, 7, 64, 300):

@@ -18,7 +18,7 @@ from sglang_dsv4.core import ops
 from sglang_dsv4.core.cache import V4Cache
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.parallel import shard_weights
-from sglang_dsv4.kernels import weight_mode
+from sglang_dsv4.kernels import fp8_moe, weight_mode
 from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_linear_reference, qdq_act,
                                             quantize_act)
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
@@ -232,10 +232,28 @@ def _fp8_experts(cfg, E, seed=0):
     return [mk(I, D) for _ in range(E)], [mk(I, D) for _ in range(E)], [mk(D, I) for _ in range(E)]
 
 
+def test_expert_blocks_follow_the_pairs_an_expert_gets(monkeypatch):
+    """The rows per expert block: by pair count by default; with ``EXPERT_BLOCKS`` by pairs per
+    local expert (64 from 32 on average, else 16), the grouped rows a whole number of such blocks
+    with room for every expert's padding."""
+    monkeypatch.setattr(fp8_moe, "EXPERT_BLOCKS", False)
+    assert [fp8_moe.block_rows(p, e) for p, e in ((6, 8), (384, 8), (1023, 256), (1024, 256))] == [16, 16, 16, 64]
+    monkeypatch.setattr(fp8_moe, "EXPERT_BLOCKS", True)
+    # 8 experts at 64 tokens x 6: 48 pairs an expert; 256 experts at 256 tokens: 6; 32 experts: 12 / 48
+    assert [fp8_moe.block_rows(p, e) for p, e in ((384, 8), (1536, 256), (384, 32), (1536, 32), (255, 8))] == [
+        64, 16, 16, 64, 16]
+    for pairs, E in ((384, 8), (1536, 256), (7, 8)):
+        A, M = fp8_moe.grouped_rows(pairs, E)
+        assert A == fp8_moe.block_rows(pairs, E) and M % A == 0 and M >= pairs + min(pairs, E) * (A - 1)
+
+
+@pytest.mark.parametrize("expert_blocks", [False, True])
 @pytest.mark.parametrize("experts", [range(0, 8), range(4, 8)])
-def test_grouped_fp8_experts_equal_the_sorted_loop(experts):
+def test_grouped_fp8_experts_equal_the_sorted_loop(experts, expert_blocks, monkeypatch):
     """The grouped layout (sorting, padding, per-block experts, EP shares) with the reference GEMM
-    against ``_sorted_experts`` over the same fp8 experts (per-expert ``ops.linear``)."""
+    against ``_sorted_experts`` over the same fp8 experts (per-expert ``ops.linear``), with either
+    rule for the rows per block (``EXPERT_BLOCKS``: 150 tokens x 2 slots, 64-row blocks)."""
+    monkeypatch.setattr(fp8_moe, "EXPERT_BLOCKS", expert_blocks)
     cfg = _micro_cfg()
     w1, w3, w2 = _fp8_experts(cfg, len(experts))
     stack, views = stack_fp8_experts(w1, w3, w2)
@@ -246,11 +264,12 @@ def test_grouped_fp8_experts_equal_the_sorted_loop(experts):
     for (a, b, c), v in zip(zip(w1, w3, w2), views):  # the views are the matrices themselves
         assert all(torch.equal(x.dequantize(), y.dequantize()) for x, y in zip((a, b, c), v))
     g = torch.Generator().manual_seed(3)
-    T = 37
+    T = 150 if expert_blocks else 37
     x = torch.randn(T, cfg.hidden_size, generator=g)
     chosen = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
                           for _ in range(T)])
     gates = torch.rand(T, cfg.num_experts_per_tok, generator=g)
+    assert fp8_moe.grouped_rows(chosen.numel(), len(experts))[0] == (64 if expert_blocks else 16)
     grouped = fp8_grouped_experts(x, chosen, gates, stack, experts.start, cfg.swiglu_limit)
     loop = ops._sorted_experts(x, chosen, gates, w, cfg, experts)
     err = (grouped - loop).norm(dim=-1) / loop.norm(dim=-1).clamp_min(1e-30)
