@@ -28,7 +28,8 @@ from sglang_dsv4.kernels import topk
 
 
 def _is_shipped(method: str, chunk: int | None, warps: int | None) -> bool:
-    return method == "bitonic" and chunk is None and warps is None
+    """``select_topk_rows``' defaults: radix, its chunk (rows past it split), its warps."""
+    return method == "radix" and chunk is None and warps is None
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
                 print(f"<!-- {method} chunk {chunk} warps {warps}: {type(e).__name__} -->")
                 continue
             rows.append((us, method, chunk, warps, same))
-        shipped = [r for r in rows if r[1] == "bitonic" and r[2] is None and r[3] is None]
+        shipped = [r for r in rows if _is_shipped(*r[1:4])]
         others = sorted((r for r in rows if r not in shipped), key=lambda r: r[0])[:6]
         print(f"| {B} | {N} | torch.topk over keys | {base:.1f} | 1.00x | yes |")
         for us, method, chunk, warps, same in shipped + others:

@@ -595,7 +595,7 @@ def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
     (``_stable_topk``: the same entries in the same order, a few kernels on a GPU where the
     stable sort of the whole row is a dozen); other dtypes the sort itself.
     """
-    if topk_kernel.preferred(scores):  # the GPU, rows <= 4096: one launch (kernels/topk.py), the same columns
+    if topk_kernel.preferred(scores, k):  # the GPU: one launch a pass (kernels/topk.py), the same columns
         return topk_kernel.select_topk_rows(scores, num_visible, k)
     return select_topk_torch(scores, num_visible, k)
 

@@ -9,7 +9,15 @@ sessions 11 and 14). Here each row's keys are formed in registers, a radix selec
 them (or, ``method="bitonic"``, Triton's ``tl.topk`` keeps the best k chunk by chunk): one launch,
 the same keys, so the same columns in the same order (tested against ``ops.select_topk``'s
 torch path under the interpreter, and on the GPU). Shapes only decide the launch (CUDA graphs).
-The step takes it for rows of one chunk (``preferred``); wider rows keep ``torch.topk``.
+
+Rows wider than a chunk (a C4 layer past 16K tokens of context: 4096 entries) are split
+(``_select_split``): a program a chunk keeps that chunk's top k, then the same kernel picks the
+row's top k among the chunks' candidates. The keys are distinct, so the row's top k is among
+them; the candidates stand in chunk order, each chunk's in key order, so between equal scores a
+lower position is a lower column and the second pass breaks ties as the whole row would. Two
+launches of one program per chunk instead of one program walking the whole row four times (and
+instead of ``torch.topk``, ~95 us a call for one row of 16384 entries on an H100, session 33);
+candidates wider than a chunk split again.
 """
 
 from __future__ import annotations
@@ -32,12 +40,19 @@ def supported(scores: Tensor) -> bool:
     return scores.dtype == torch.float32 and scores.dim() == 2 and runs_on(scores, "topk_triton")
 
 
-def preferred(scores: Tensor) -> bool:
+def splits(width: int, k: int) -> bool:
+    """Whether ``select_topk_rows`` splits rows of ``width`` for a top ``k`` (``_select_split``):
+    wider than a chunk, and k at most half a chunk (the candidates then narrow the row)."""
+    return width > MAX_CHUNK and 2 * pow2(k) <= MAX_CHUNK
+
+
+def preferred(scores: Tensor, k: int) -> bool:
     """Whether the step should take ``select_topk_rows`` over ``torch.topk``: supported, and rows
-    of at most ``MAX_CHUNK`` (one chunk a pass). The H200, session 16: rows of 4096 2.5-3x faster
-    (bench_topk); a flash8 step at 16K context (rows past 4096, 4097+ visible: two chunks a pass)
-    0.228 ms over its 3 calls at batch 1 against torch's 0.157 ms (census)."""
-    return scores.shape[-1] <= MAX_CHUNK and supported(scores)
+    of at most ``MAX_CHUNK`` (one chunk a pass) or split (``splits``). The H200, session 16: rows
+    of 4096 2.5-3x faster (bench_topk); a flash8 step at 16K context with one program walking
+    rows past 4096 (two chunks a pass) 0.228 ms over its 3 calls at batch 1 against torch's
+    0.157 ms (census), hence the split."""
+    return (scores.shape[-1] <= MAX_CHUNK or splits(scores.shape[-1], k)) and supported(scores)
 
 
 @torch.compiler.disable  # a kernel launch, never traced
@@ -53,6 +68,8 @@ def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | N
     from .topk_triton import topk_radix_kernel, topk_rows_kernel
 
     T, N = scores.shape
+    if chunk is None and T and k and splits(N, k):
+        return _select_split(scores, num_visible, k, num_warps, method)
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     if T == 0 or k == 0:
         return out
@@ -73,4 +90,22 @@ def select_topk_rows(scores: Tensor, num_visible: Tensor, k: int, chunk: int | N
     return out
 
 
-__all__ = ["select_topk_rows", "supported", "preferred", "MAX_CHUNK"]
+def _select_split(scores: Tensor, num_visible: Tensor, k: int, num_warps: int | None, method: str) -> Tensor:
+    """``select_topk_rows`` of rows wider than a chunk (module docstring): each chunk's top k,
+    then the top k of those candidates, mapped back to the row's columns."""
+    T, N = scores.shape
+    C = MAX_CHUNK
+    S = -(-N // C)
+    if N != S * C:  # whole chunks (entry widths are powers of two: no copy in a step)
+        scores = torch.nn.functional.pad(scores, (0, S * C - N))
+    base = torch.arange(S, device=scores.device) * C
+    vis = (num_visible.to(torch.int64).clamp_max(N)[:, None] - base).clamp(0, C)  # [T, S] visible in each chunk
+    local = select_topk_rows(scores.contiguous().view(T * S, C), vis.flatten(), k, None, num_warps, method)
+    cols = torch.where(local >= 0, local + base.repeat(T)[:, None], -1).view(T, S * k)
+    cand = torch.where(cols >= 0, scores.gather(1, cols.clamp_min(0)), float("-inf"))
+    every = torch.full((T,), S * k, dtype=torch.int64, device=scores.device)
+    pos = select_topk_rows(cand, every, k, None, num_warps, method)          # candidates wider than a chunk split again
+    return torch.where(pos >= 0, cols.gather(1, pos.clamp_min(0)), -1)
+
+
+__all__ = ["select_topk_rows", "supported", "preferred", "splits", "MAX_CHUNK"]

@@ -1,5 +1,6 @@
 """``kernels.topk`` on the GPU: the indexer's top-k kernel chooses ``ops.select_topk_torch``'s
-columns in its order at V4-Flash's k (512) and entry counts, and replays from a CUDA graph."""
+columns in its order at V4-Flash's k (512) and entry counts (rows past 4096 split into chunks,
+262144: a 1M-token context's C4 entries, split twice), and replays from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-@pytest.mark.parametrize("tokens,entries", [(1, 4096), (256, 4096), (7, 16384), (3, 5), (64, 700)])
+@pytest.mark.parametrize("tokens,entries", [(1, 4096), (256, 4096), (7, 16384), (3, 5), (64, 700), (64, 16384),
+                                             (1, 65536), (2, 262144)])
 def test_the_kernel_chooses_the_torch_paths_columns(tokens, entries):
     g = torch.Generator(device=DEV).manual_seed(entries)
     scores = torch.randn(tokens, entries, generator=g, device=DEV).relu()  # relu sums: many exact zeros
@@ -27,15 +29,16 @@ def test_the_kernel_chooses_the_torch_paths_columns(tokens, entries):
             assert torch.equal(topk.select_topk_rows(scores, visible, k, method=method), want), method
 
 
+@pytest.mark.parametrize("entries", [4096, 16384])  # one chunk; split
 @pytest.mark.parametrize("method", ["bitonic", "radix"])
-def test_the_kernel_replays_from_a_graph(method):
+def test_the_kernel_replays_from_a_graph(method, entries):
     g = torch.Generator(device=DEV).manual_seed(0)
-    scores = torch.randn(64, 4096, generator=g, device=DEV)
-    visible = torch.full((64,), 4096, device=DEV)
+    scores = torch.randn(64, entries, generator=g, device=DEV)
+    visible = torch.full((64,), entries, device=DEV)
     out = topk.select_topk_rows(scores, visible, 512, method=method)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = topk.select_topk_rows(scores, visible, 512, method=method)
-    scores.copy_(torch.randn(64, 4096, generator=g, device=DEV))
+    scores.copy_(torch.randn(64, entries, generator=g, device=DEV))
     graph.replay()
     assert torch.equal(out, ops.select_topk_torch(scores, visible, 512))
