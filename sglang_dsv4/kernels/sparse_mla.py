@@ -23,7 +23,7 @@ import torch
 
 from ..config import V4Config
 from ..core.compiled import on_gpu
-from . import index_scores
+from . import entry_rows, index_scores
 from .backend import AttentionBackend, AttnBatch, attended_rows, fp8_entry_layouts, fp8_window_layout
 from .kv_layout import RowLayout
 
@@ -72,7 +72,8 @@ def _decode_window(pos: Tensor, slots: Tensor, W: int):
 def _decode_extra(entry_table: Tensor, tok_req: Tensor, comp_idx: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """The decode kernel's extra-cache operands for a layer's entry indices [T, K]: the storage
     rows [T, 1, width] int32 (valid leftmost, as the indices are; -1 padded to ``width``) and how
-    many are valid [T] int32. One fused region on the GPU (about ten small ops per layer else)."""
+    many are valid [T] int32. The torch path (the reference of ``entry_rows.decode_entry_rows``,
+    which the GPU takes): one fused region there, two kernels (about ten small ops eager)."""
     rows = attended_rows(entry_table, tok_req, comp_idx)
     return _pad_cols(rows, width).to(torch.int32).unsqueeze(1), (rows >= 0).sum(-1).to(torch.int32)
 
@@ -127,8 +128,9 @@ class SparseMLABackend(AttentionBackend):
         b.ring_layout.write(b.ring, ring_rows, b.kv)
         extra: dict[str, Any] = {}
         if b.comp_idx is not None:  # valid rows leftmost (top-k order, or entries ascending)
-            rows, counts = _decode_extra(b.entry_table, st.tok_req, b.comp_idx,
-                                         _round_up(max(b.comp_idx.shape[1], 1), INDEX_BLOCK))
+            width = _round_up(max(b.comp_idx.shape[1], 1), INDEX_BLOCK)
+            extra_rows = entry_rows.decode_entry_rows if entry_rows.supported(b.comp_idx) else _decode_extra
+            rows, counts = extra_rows(b.entry_table, st.tok_req, b.comp_idx, width)  # one launch on the GPU
             extra = dict(extra_cache=b.entries, extra_layout=b.entry_layout,
                          extra_indices=rows.contiguous(), extra_lengths=counts)
         # FlashMLA's tile schedule depends on the shapes and the lengths only, which every layer of
