@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
 from ..kernels import c128_pool, hc_split
+from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Weight, fp8_linear
@@ -676,6 +677,10 @@ def _route(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, ha
            shared_slot: int | None = None) -> tuple[Tensor, Tensor]:
     """``route_tokens`` with the layer's bias, or its token -> experts table (hash-routed)."""
     bias_or_chosen = w["ffn.gate.tid2eid"][token_ids] if hash_routed else w["ffn.gate.bias"]
+    if shared_slot is None and route_kernel.preferred(x, w["ffn.gate.weight"], cfg.num_experts_per_tok):
+        # the GEMM as the region has it, then one launch for the rest (kernels/route.py)
+        return route_kernel.route_from_logits(linear(x, w["ffn.gate.weight"]), bias_or_chosen,
+                                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
     return route_tokens(x, w["ffn.gate.weight"], bias_or_chosen, cfg, shared_slot)
 
 
