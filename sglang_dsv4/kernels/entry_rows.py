@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import torch
 
+import os
+
 from .triton_support import pdl_options, runs_on
 
 Tensor = torch.Tensor
 BLOCK = 512  # indices a loop iteration reads (V4's top-k: one iteration)
+ENABLED = os.environ.get("SGLANG_DSV4_ENTRY_ROWS_KERNEL", "1") == "1"  # =0: the torch region; read per call
 
 
 def supported(comp_idx: Tensor) -> bool:
-    """Whether ``decode_entry_rows`` runs for these indices (a CUDA tensor or the interpreter)."""
-    return comp_idx.dim() == 2 and runs_on(comp_idx, "entry_rows_triton")
+    """Whether the decode step takes ``decode_entry_rows`` for these indices: switched on
+    (``SGLANG_DSV4_ENTRY_ROWS_KERNEL``, default on) and a CUDA tensor (or the interpreter)."""
+    return ENABLED and comp_idx.dim() == 2 and runs_on(comp_idx, "entry_rows_triton")
 
 
 @torch.compiler.disable  # a kernel launch, never traced
@@ -45,4 +49,4 @@ def decode_entry_rows(entry_table: Tensor, tok_req: Tensor, comp_idx: Tensor, wi
     return rows, counts
 
 
-__all__ = ["decode_entry_rows", "supported"]
+__all__ = ["ENABLED", "decode_entry_rows", "supported"]

@@ -22,6 +22,8 @@ candidates wider than a chunk split again.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .triton_support import pdl_options, pow2, runs_on
@@ -33,6 +35,8 @@ Tensor = torch.Tensor
 # 28.3 / 59.2 us at 1 / 64 / 256 rows (torch.topk over the keys 70.2 / 86.1 / 178.8; bitonic
 # 56.8 / 57.4 / 118.1; radix with chunk 8192 52-110)
 MAX_CHUNK = 4096
+# rows wider than a chunk split (module docstring); =0: they keep torch.topk, as before session 33
+SPLIT = os.environ.get("SGLANG_DSV4_TOPK_SPLIT", "1") == "1"
 
 
 def supported(scores: Tensor) -> bool:
@@ -42,8 +46,9 @@ def supported(scores: Tensor) -> bool:
 
 def splits(width: int, k: int) -> bool:
     """Whether ``select_topk_rows`` splits rows of ``width`` for a top ``k`` (``_select_split``):
-    wider than a chunk, and k at most half a chunk (the candidates then narrow the row)."""
-    return width > MAX_CHUNK and 2 * pow2(k) <= MAX_CHUNK
+    switched on (``SGLANG_DSV4_TOPK_SPLIT``, default on), wider than a chunk, and k at most half a
+    chunk (the candidates then narrow the row)."""
+    return SPLIT and width > MAX_CHUNK and 2 * pow2(k) <= MAX_CHUNK
 
 
 def preferred(scores: Tensor, k: int) -> bool:
