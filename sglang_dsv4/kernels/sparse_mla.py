@@ -130,7 +130,7 @@ class SparseMLABackend(AttentionBackend):
         if b.comp_idx is not None:  # valid rows leftmost (top-k order, or entries ascending)
             width = _round_up(max(b.comp_idx.shape[1], 1), INDEX_BLOCK)
             extra_rows = entry_rows.decode_entry_rows if entry_rows.supported(b.comp_idx) else _decode_extra
-            rows, counts = extra_rows(b.entry_table, st.tok_req, b.comp_idx, width)  # one launch on the GPU
+            rows, counts = extra_rows(b.entry_table, st.tok_req, b.comp_idx, width)  # one launch where switched on
             extra = dict(extra_cache=b.entries, extra_layout=b.entry_layout,
                          extra_indices=rows.contiguous(), extra_lengths=counts)
         # FlashMLA's tile schedule depends on the shapes and the lengths only, which every layer of

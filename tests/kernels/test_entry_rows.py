@@ -9,6 +9,7 @@ _CASES = """
 import torch
 from sglang_dsv4.kernels import entry_rows
 from sglang_dsv4.kernels.sparse_mla import _decode_extra
+entry_rows.ENABLED = True  # opt-in
 g = torch.Generator().manual_seed(0)
 worst = 0
 for T, B, N, K, width, dtype in [(5, 3, 40, 16, 64, torch.int64), (4, 2, 300, 512, 512, torch.int32),

@@ -16,7 +16,8 @@ DEV = "cuda"
 
 @pytest.mark.parametrize("tokens,entries", [(1, 4096), (256, 4096), (7, 16384), (3, 5), (64, 700), (64, 16384),
                                              (1, 65536), (2, 262144)])
-def test_the_kernel_chooses_the_torch_paths_columns(tokens, entries):
+def test_the_kernel_chooses_the_torch_paths_columns(tokens, entries, monkeypatch):
+    monkeypatch.setattr(topk, "SPLIT", True)
     g = torch.Generator(device=DEV).manual_seed(entries)
     scores = torch.randn(tokens, entries, generator=g, device=DEV).relu()  # relu sums: many exact zeros
     scores[:, 1::5] = scores[:, ::5][:, :scores[:, 1::5].shape[1]]      # and ties between columns
@@ -31,7 +32,8 @@ def test_the_kernel_chooses_the_torch_paths_columns(tokens, entries):
 
 @pytest.mark.parametrize("entries", [4096, 16384])  # one chunk; split
 @pytest.mark.parametrize("method", ["bitonic", "radix"])
-def test_the_kernel_replays_from_a_graph(method, entries):
+def test_the_kernel_replays_from_a_graph(method, entries, monkeypatch):
+    monkeypatch.setattr(topk, "SPLIT", True)
     g = torch.Generator(device=DEV).manual_seed(0)
     scores = torch.randn(64, entries, generator=g, device=DEV)
     visible = torch.full((64,), entries, device=DEV)
