@@ -2,7 +2,7 @@
 one-launch kernel (``kernels.topk``), both its methods, at each chunk size and warp count.
 
     python -m benchmarks.bench_topk [--batches 1,64,256] [--entries 4096,16384] [--k 512]
-        [--chunks 1024,2048,4096,8192] [--warps 4,8,16] [--reps 20] [--width 8192]
+        [--chunks 1024,2048,4096,8192] [--warps 4,8,16] [--reps 20] [--width 8192] [--split]
 
 ``--width W``: the score rows are W wide with ``entries`` visible, as in a step, whose entry
 tables are the power of two past the longest request's entries (``step.entry_width``; a flash8
@@ -28,7 +28,7 @@ from sglang_dsv4.kernels import topk
 
 
 def _is_shipped(method: str, chunk: int | None, warps: int | None) -> bool:
-    """``select_topk_rows``' defaults: radix, its chunk (rows past it split), its warps."""
+    """``select_topk_rows``' defaults: radix, its chunk (rows past it split with ``--split``), its warps."""
     return method == "radix" and chunk is None and warps is None
 
 
@@ -41,7 +41,11 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--width", type=int, default=0, help="score row width (0: the entries)")
+    ap.add_argument("--split", action="store_true",
+                    help="rows wider than a chunk split (kernels.topk.SPLIT, opt-in SGLANG_DSV4_TOPK_SPLIT=1): the "
+                         "shipped row and the default-chunk rows time the split")
     args = ap.parse_args()
+    topk.SPLIT = topk.SPLIT or args.split
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     g = torch.Generator(device="cuda").manual_seed(0)
     print("| batch | entries | path | us / call | vs torch | same columns |")

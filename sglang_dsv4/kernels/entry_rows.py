@@ -13,9 +13,9 @@ launch (CUDA graphs). Opt-in (``SGLANG_DSV4_ENTRY_ROWS_KERNEL=1``) until that GP
 
 from __future__ import annotations
 
-import torch
-
 import os
+
+import torch
 
 from .triton_support import pdl_options, runs_on
 

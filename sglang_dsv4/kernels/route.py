@@ -9,7 +9,8 @@ GEMM stays (cuBLAS, the same logits) and one program per token does the rest in 
 top k is k passes of a maximum (ties to the lower expert, where ``torch.topk`` leaves the order of
 exact ties open); softplus's log1p is computed as log(u) * e / (u - 1), within an ulp or two of
 torch's, so a gate can differ in its last bits and a near-tie of scores can route another
-expert (tested against the torch region under the interpreter and on the GPU).
+expert (tested against the torch ops under the interpreter; ``tests/kernels/test_route_gpu.py``
+against the fused region on the GPU, not yet run).
 """
 
 from __future__ import annotations

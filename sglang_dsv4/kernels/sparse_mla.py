@@ -72,8 +72,8 @@ def _decode_window(pos: Tensor, slots: Tensor, W: int):
 def _decode_extra(entry_table: Tensor, tok_req: Tensor, comp_idx: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """The decode kernel's extra-cache operands for a layer's entry indices [T, K]: the storage
     rows [T, 1, width] int32 (valid leftmost, as the indices are; -1 padded to ``width``) and how
-    many are valid [T] int32. The torch path (the reference of ``entry_rows.decode_entry_rows``,
-    which the GPU takes): one fused region there, two kernels (about ten small ops eager)."""
+    many are valid [T] int32. The torch path, and the reference of ``entry_rows.decode_entry_rows``
+    (one launch, opt-in): one fused region on the GPU, two kernels (about ten small ops eager)."""
     rows = attended_rows(entry_table, tok_req, comp_idx)
     return _pad_cols(rows, width).to(torch.int32).unsqueeze(1), (rows >= 0).sum(-1).to(torch.int32)
 

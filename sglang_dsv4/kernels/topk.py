@@ -10,9 +10,10 @@ them (or, ``method="bitonic"``, Triton's ``tl.topk`` keeps the best k chunk by c
 the same keys, so the same columns in the same order (tested against ``ops.select_topk``'s
 torch path under the interpreter, and on the GPU). Shapes only decide the launch (CUDA graphs).
 
-Rows wider than a chunk (a C4 layer past 16K tokens of context: 4096 entries) are split
-(``_select_split``, opt-in ``SGLANG_DSV4_TOPK_SPLIT=1``; off, the step takes ``torch.topk``): a program a chunk keeps that chunk's top k, then the same kernel picks the
-row's top k among the chunks' candidates. The keys are distinct, so the row's top k is among
+Rows wider than a chunk (a C4 layer past 16K tokens of context: 4096 entries) can be split
+(``_select_split``, opt-in ``SGLANG_DSV4_TOPK_SPLIT=1``; off, the step takes ``torch.topk``): a
+program a chunk keeps that chunk's top k, then the same kernel picks the row's top k among the
+chunks' candidates. The keys are distinct, so the row's top k is among
 them; the candidates stand in chunk order, each chunk's in key order, so between equal scores a
 lower position is a lower column and the second pass breaks ties as the whole row would. Two
 launches of one program per chunk instead of one program walking the whole row four times (and

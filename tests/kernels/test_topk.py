@@ -24,7 +24,8 @@ for T, N, k, chunk in [(3, 5, 4, None), (2, 300, 8, 16), (4, 700, 16, 64), (2, 2
             worst += int(not torch.equal(got, want))
 assert topk.preferred(s, k) and torch.equal(ops.select_topk(s, v, k), ops.select_topk_torch(s, v, k))
 wide = torch.zeros(1, topk.MAX_CHUNK + 1)
-assert not topk.preferred(wide, 512)  # the split is opt-in
+topk.SPLIT = False
+assert topk.supported(wide) and not topk.preferred(wide, 512)  # the split is opt-in: torch.topk
 topk.SPLIT = True
 assert topk.preferred(wide, 512) and not topk.preferred(wide, topk.MAX_CHUNK)  # split; k too wide to split: torch
 # rows wider than a chunk split: chunks of 64 here; 2000 x k 16 splits three times (512, 128, 32
