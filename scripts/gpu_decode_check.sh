@@ -20,7 +20,8 @@
 #   its files are decode_env0.md and bench_env0.log)
 #   ALSO_ENV='TORCHINDUCTOR_ENABLE_PDL=1;SGLANG_DSV4_COMBO_KERNELS=1' (then the same benchmark once
 #   per ';'-separated set of environment assignments, each its own process: switches read at
-#   import or compile time, which --switches cannot set per path; ALSO_TIMEOUT each, 300 s)
+#   import or compile time, which --switches cannot set per path; ALSO_TIMEOUT each, 300 s;
+#   ALSO_ARGS: their bench_decode arguments where they differ from BENCH_ARGS)
 # (the deterministic mode's cost; benchmarks/chunk_invariance_gpu.py shows what it buys)
 # (the first steps of a process compile the fused ops: allow a minute or two per config; bench_decode
 # prints how many graphs it compiled and the seconds it took). SGLANG_DSV4_COMPILE=0 in front runs
@@ -100,7 +101,7 @@ if [ -n "${ALSO_ENV:-}" ]; then
   for i in "${!envsets[@]}"; do
     echo "--- this tree, ${envsets[$i]}"
     env ${envsets[$i]} timeout ${ALSO_TIMEOUT:-300} python3 -m benchmarks.bench_decode --out "$OUT/decode_env$i.md" \
-      ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_env$i.log" | grep "^|\|captured\|compiled graphs\|Error"
+      ${ALSO_ARGS:-${BENCH_ARGS:-}} 2>&1 | tee "$OUT/bench_env$i.log" | grep "^|\|captured\|compiled graphs\|Error"
   done
 fi
 if [ -n "${PROFILE_ARGS:-}" ]; then

@@ -7,7 +7,8 @@ Modes (how the GPU keeps the checkpoint's matrices; v4_architecture.md §6.4):
 - ``fp8``: matrices the checkpoint stores in fp8 stay e4m3 (1 B/param) with one scale per
   128x128 block (counted as its e8m0 byte; the GPU keeps it as float32 for the kernel, 3 B more
   per 16384 values, < 0.02%), except ``attn.wo_a``, dequantised to bf16 (a grouped einsum, as
-  DeepSeek's convert.py and upstream without DeepGEMM run it; ``kernels.weight_mode``); routed fp4
+  DeepSeek's convert.py and upstream without DeepGEMM run it; ``kernels.weight_mode``) unless
+  ``SGLANG_DSV4_WO_A_FP8=1`` keeps it fp8 (``checkpoint.loader.keeps_fp8``); routed fp4
   experts are converted losslessly to fp8 block-128 (2x their fp4 bytes);
 - ``w4a16``: dense matrices as in ``fp8``; routed fp4 experts stay e2m1 (0.5 B/param) with one e8m0
   byte per 32 inputs (Marlin / FlashInfer W4A16).
@@ -31,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .checkpoint.loader import keeps_fp8
 from .checkpoint.schema import Storage, TensorSpec, checkpoint_tensors
 from .config import V4Config
 from .core.model import weight_dtypes
@@ -42,7 +44,6 @@ CATEGORIES = ("dense", "experts", "embed_head", "other")
 SGLANG_VOCAB_PADDING = 64  # sglang vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
 _EMBED_HEAD = ("embed.weight", "head.weight")
-_BF16_IN_FP8_MODE = ("attn.wo_a.weight",)  # checkpoint.loader.keeps_fp8: dequantised in every mode
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,15 @@ def _fp4_bytes(out_dim: int, in_dim: int) -> int:
     return out_dim * in_dim // 2 + out_dim * math.ceil(in_dim / FP4_WEIGHT_BLOCK)
 
 
-def tensor_bytes(spec: TensorSpec, shape: tuple[int, ...], mode: str) -> int:
-    """Bytes of ``spec`` held with local ``shape`` (a rank's shard of it) in ``mode``."""
+def tensor_bytes(spec: TensorSpec, shape: tuple[int, ...], mode: str, cfg: V4Config) -> int:
+    """Bytes of ``spec`` held with local ``shape`` (a rank's shard of it) in ``mode``: quantised
+    where the loader keeps it so (``checkpoint.loader.keeps_fp8``)."""
     n = math.prod(shape)
     if spec.storage is Storage.INT64:
         return n * 8
     if not _is_matrix(spec.name):
         return n * 4  # the activations' dtype (weight_dtypes' default), in every mode
-    if mode == "bf16" or spec.storage is Storage.BF16 or spec.name.endswith(_BF16_IN_FP8_MODE):
+    if mode == "bf16" or not keeps_fp8(spec, cfg):
         return n * 2
     if spec.storage is Storage.FP8:
         return _fp8_block_bytes(*shape)
@@ -145,7 +147,7 @@ def rank_tensors(cfg: V4Config, mode: str, tp_size: int = 1, ep_size: int = 1, t
             continue
         # the sharder's own slicing rules, on a meta tensor: the local shape without any data
         local = sharder(spec.name, torch.empty(spec.shape, device="meta"))
-        yield spec.name, category(spec), tensor_bytes(spec, tuple(local.shape), mode)
+        yield spec.name, category(spec), tensor_bytes(spec, tuple(local.shape), mode, cfg)
     if parallel:
         # srt.model: with model parallelism, SGLang's lm_head takes this rank's vocab rows, in the
         # GEMM dtype (bf16), and the core's full head is dropped

@@ -235,7 +235,7 @@ def test_flash_ranks_sum_to_the_whole_plus_replicas(flash, mode):
     # parallel.py: heads' tensors split over TP, routed experts over EP, the rest on every rank;
     # Flash's splits are 128-aligned, so the shards' scale blocks add up to the whole's
     n = 4
-    full = {s.name: tensor_bytes(s, s.shape, mode) for s in checkpoint_tensors(flash)}
+    full = {s.name: tensor_bytes(s, s.shape, mode, flash) for s in checkpoint_tensors(flash)}
     split = sum(b for name, b in full.items() if name.endswith(_SPLIT) or ".ffn.experts." in name)
     replicated = sum(full.values()) - split - full["head.weight"]  # the full head: one rank only
     lm_head = lm_head_rows(flash.vocab_size, n) * flash.hidden_size * 2
@@ -253,7 +253,7 @@ def test_flash_against_the_checkpoint_size(flash):
                   for s in checkpoint_tensors(flash)
                   if s.storage is Storage.BF16 and (s.name.endswith("norm.weight") or s.name.endswith(".ffn.gate.weight")))
     # attn.wo_a is dequantised to bf16 in every mode: 2 B per value instead of 1 + its scales
-    wo_a = sum(tensor_bytes(s, s.shape, "w4a16") - sum(math.prod(t) for t in s.stored_shapes().values())
+    wo_a = sum(tensor_bytes(s, s.shape, "w4a16", flash) - sum(math.prod(t) for t in s.stored_shapes().values())
                for s in checkpoint_tensors(flash) if s.name.endswith("attn.wo_a.weight"))
     assert wo_a == 44 * (8192 * 4096 - 64 * 32)
     assert weight_bytes(flash, "w4a16").total == stored + widened + wo_a

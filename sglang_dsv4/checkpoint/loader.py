@@ -6,8 +6,8 @@ with its stored shape and dtype; fp8 and fp4 weights are dequantised with their 
 companions. Tensors that the schema does not list are ignored, since real checkpoints may carry more.
 
 Weight modes (``kernels.weight_mode``): ``bf16`` (the default) dequantises every matrix as above;
-``fp8`` keeps fp8-stored matrices as ``kernels.fp8_linear.Fp8Weight`` (e4m3 + block scales; not
-``attn.wo_a``, see there) and converts fp4 experts to fp8 block-128, checked exact per tensor.
+``fp8`` keeps fp8-stored matrices as ``kernels.fp8_linear.Fp8Weight`` (e4m3 + block scales;
+``attn.wo_a`` only where ``keeps_fp8`` says so) and converts fp4 experts to fp8 block-128, checked exact per tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import V4Config
+from ..kernels import fp8_linear
 from ..kernels.fp8_linear import Fp8Weight
 from ..quant import FP8_WEIGHT_BLOCK, dequantize_fp4_packed, dequantize_fp8_blockwise, fp4_to_fp8_blockwise
 from .schema import Storage, TensorSpec, checkpoint_tensors
@@ -119,11 +120,17 @@ def _check_weight_mode(weight_mode: str) -> None:
                          f"kernels.weight_mode.select_weight_mode first), got {weight_mode!r}")
 
 
-def keeps_fp8(spec: TensorSpec) -> bool:
-    """Whether the fp8 weight mode holds ``spec`` quantised: fp8 matrices except ``attn.wo_a`` (a
-    grouped einsum, dequantised to bf16 as convert.py and upstream without DeepGEMM do), and the
-    routed experts (fp4 converted to fp8, or fp8 as stored)."""
-    return spec.storage in (Storage.FP8, Storage.FP4) and not spec.name.endswith("attn.wo_a.weight")
+def keeps_fp8(spec: TensorSpec, cfg: V4Config) -> bool:
+    """Whether the fp8 weight mode holds ``spec`` quantised: fp8 matrices and the routed experts
+    (fp4 converted to fp8, or fp8 as stored). ``attn.wo_a`` (a grouped einsum) is dequantised to
+    bf16, as convert.py and upstream without DeepGEMM do, unless ``fp8_linear.GROUPED_WO_A`` runs
+    it as one grouped fp8 GEMM (as upstream with DeepGEMM does) and its groups keep their
+    128x128 scale blocks whole (``fp8_linear.groups_fit``)."""
+    if spec.storage not in (Storage.FP8, Storage.FP4):
+        return False
+    if spec.name.endswith("attn.wo_a.weight"):
+        return fp8_linear.GROUPED_WO_A and fp8_linear.groups_fit(*spec.shape, cfg.o_groups)
+    return True
 
 
 def _check_mode_storage(cfg: V4Config, weight_mode: str) -> None:
@@ -298,7 +305,7 @@ def logical_from_stored(cfg: V4Config, stored: Mapping[str, torch.Tensor] | Iter
         if bad:
             problems += bad
             continue
-        if weight_mode == "fp8" and keeps_fp8(spec):
+        if weight_mode == "fp8" and keeps_fp8(spec, cfg):
             w8 = _quantised(spec, found, device)
             found.clear()
             if shard is not None and (w8 := _shard_fp8(spec.name, w8, shard)) is None:

@@ -21,7 +21,7 @@ from ..kernels import c128_pool, hc_split
 from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
-from ..kernels.fp8_linear import Fp8Weight, fp8_linear
+from ..kernels.fp8_linear import Fp8Weight, fp8_grouped_linear, fp8_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from ..quant import FP8_WEIGHT_BLOCK, fp4_qat, fp8_qat, hadamard
 from .compiled import on_gpu
@@ -377,11 +377,15 @@ def attention_output(o: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
     widened inside this fused region rather than by a pass of its own."""
     o = apply_rope(o if dtype is None else o.to(dtype), rope, inverse=True)
     # the groups held here: all o_groups, or a tensor-parallel rank's share (core.parallel)
-    G = w["attn.wo_a.weight"].shape[0] // cfg.o_lora_rank
+    wo_a = w["attn.wo_a.weight"]
+    G = wo_a.shape[0] // cfg.o_lora_rank
     T = o.shape[0]
     o = pad_rows(o.reshape(T, G, -1))  # a per-group GEMM over the rows: padded like ``linear``
-    wo_a = w["attn.wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-    z = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(o.dtype)[:T]
+    if isinstance(wo_a, Fp8Weight):  # held fp8 (``fp8_linear.GROUPED_WO_A``): one grouped fp8 GEMM
+        z = fp8_grouped_linear(o, wo_a)[:T]
+    else:
+        wo_a = wo_a.view(G, cfg.o_lora_rank, -1)
+        z = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(o.dtype)[:T]
     return linear(z.flatten(1), w["attn.wo_b.weight"])
 
 

@@ -14,6 +14,9 @@
   not need and the GPU image running the core does not have.
 - ``fp8_linear``: ``x @ dequant(w).T`` with x quantised as above; on a CPU the torch reference
   (``fp8_linear_reference``), which is what the kernel computes up to fp32 summation order.
+- ``fp8_grouped_linear``: the attention output's grouped low-rank projection (``attn.wo_a``, G
+  row groups, each applied to its own slice of the heads) as one grouped launch of the same GEMM,
+  each group an "expert" of T rows (opt-in ``SGLANG_DSV4_WO_A_FP8=1``, ``GROUPED_WO_A``).
 
 Everything is CUDA-graph capturable: launch grids and configs depend only on shapes.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +38,11 @@ from . import fp8_cublas
 from .triton_support import INTERPRET, pdl_options  # INTERPRET: a module attribute here, tests switch it off
 
 Tensor = torch.Tensor
+# attn.wo_a held fp8 in the fp8 weight mode and run by ``fp8_grouped_linear`` (read by the loader:
+# ``checkpoint.loader.keeps_fp8``). Its bf16 einsum reads twice the checkpoint's bytes: 31 us a
+# layer at batch 64 on an H100 (session 33's flash43 census), against 11 us for its fp8 bytes.
+# Opt-in until its GPU test has run.
+GROUPED_WO_A = os.environ.get("SGLANG_DSV4_WO_A_FP8", "0") == "1"
 ACT_GROUP = 128          # activation quantisation group along K (= the weight block)
 ACT_AMAX_FLOOR = 1e-4    # [REF] act_quant's amax clamp
 
@@ -337,6 +346,52 @@ def fp8_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     return out if out.dim() == 2 else add_splits(out, x.dtype)
 
 
+def groups_fit(rows: int, cols: int, groups: int) -> bool:
+    """Whether a [rows, cols] matrix cut into ``groups`` equal row groups keeps its 128x128 scale
+    blocks whole: each group's rows and the columns a multiple of 128 (V4-Flash's wo_a: 8 groups
+    of 1024 rows, 4096 columns)."""
+    B = FP8_WEIGHT_BLOCK
+    return rows % groups == 0 and (rows // groups) % B == 0 and cols % B == 0
+
+
+def grouped_block_rows(tokens: int) -> int:
+    """Rows per block of ``fp8_grouped_linear``'s GEMM: 64 from 32 tokens (each group's weights
+    read by fewer blocks), else 16 (less padding); the routed experts' rule
+    (``fp8_moe.block_rows``) with every group holding every token."""
+    return 64 if tokens >= 32 else 16
+
+
+def fp8_grouped_linear(x: Tensor, w: Fp8Weight) -> Tensor:
+    """x [T, G, K] -> [T, G, R] in x's dtype: group g's rows x[:, g] @ dequant(w[g R:(g+1) R]).T
+    for w [G R, K] (``groups_fit``), x quantised as ``fp8_linear`` does.
+
+    On the GPU one grouped launch of ``fp8_gemm`` (plus its split-K sum, which a compiled caller's
+    next kernel does): the groups' rows padded to whole blocks, each block one group's. Elsewhere
+    the reference, qdq(x) times the dequantised groups in float32 (the caller pads the rows to
+    fixed tiles where a row's result must not depend on the rows beside it, ``ops.pad_rows``)."""
+    T, G, K = x.shape
+    R = w.q.shape[0] // G
+    if not groups_fit(w.q.shape[0], K, G) or w.q.shape[1] != K:
+        raise ValueError(f"fp8_grouped_linear: a {list(w.q.shape)} fp8 matrix does not split into {G} groups "
+                         f"of 128-row blocks over {K} inputs")
+    if not runs_kernel(x.device):
+        a = qdq_act(x.reshape(T * G, K)).view(T, G, K)
+        return torch.einsum("tgk,grk->tgr", a, w.dequantize().view(G, R, K)).to(x.dtype)
+    A = grouped_block_rows(T) if isinstance(T, int) else 64
+    Tp = -(-T // A) * A
+    xg = F.pad(x.transpose(0, 1), (0, 0, 0, Tp - T)).reshape(G * Tp, K)  # group-major, each group Tp rows
+    q, s = quantize_act(xg)
+    block_group = torch.arange(G * Tp // A, device=x.device, dtype=torch.int32) // (Tp // A)
+    wq, ws = w.q.view(G, R, K), w.scale.view(G, R // FP8_WEIGHT_BLOCK, -1)
+    if torch.compiler.is_compiling() and isinstance(T, int):
+        out = fp8_gemm_op(q, s, wq, ws, x.dtype, block_expert=block_group, block_m=A, sum_splits=False)
+    else:
+        out = fp8_gemm(q, s, Fp8Weight(wq, ws), x.dtype, block_expert=block_group, block_m=A, sum_splits=False)
+    if out.dim() == 3:
+        out = add_splits(out, x.dtype)
+    return out.view(G, Tp, R)[:, :T].transpose(0, 1)
+
+
 def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
     """The reference of ``fp8_linear``: qdq(x) @ dequant(w).T in float32."""
     return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
@@ -344,4 +399,5 @@ def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
 
 __all__ = ["Fp8Weight", "weight_nbytes", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
            "prepare",
-           "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "ACT_GROUP", "triton_missing"]
+           "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "fp8_grouped_linear", "groups_fit",
+           "GROUPED_WO_A", "ACT_GROUP", "triton_missing"]

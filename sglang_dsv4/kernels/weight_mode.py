@@ -4,7 +4,8 @@
   float32): the oracle-checked path.
 - ``fp8``: matrices stored fp8 e4m3 + 128x128 e8m0 scales stay so (``kernels.fp8_linear``), with
   ``attn.wo_a`` the exception (dequantised to bf16, as DeepSeek's ``convert.py`` and upstream
-  SGLang without DeepGEMM do: it runs as a grouped einsum, not a linear); routed fp4 experts are
+  SGLang without DeepGEMM do: it runs as a grouped einsum, not a linear; ``SGLANG_DSV4_WO_A_FP8=1``
+  keeps it fp8 for one grouped fp8 GEMM, ``fp8_linear.fp8_grouped_linear``); routed fp4 experts are
   converted at load to fp8 block-128, exactly (``quant.fp4_to_fp8_blockwise``), and run through
   the grouped fp8 GEMMs (``kernels.fp8_moe``). Activations are quantised before each fp8 GEMM as
   V4's QAT does (e4m3, groups of 128, power-of-two scales).
@@ -64,7 +65,8 @@ def _experts_quantised(cfg: V4Config | None) -> bool:
 def fp8_tp_problem(cfg: V4Config | None, tp_size: int) -> str | None:
     """Why tensor parallelism over ``tp_size`` ranks cannot cut the fp8 matrices on their 128x128
     scale blocks (None: it can). TP cuts ``wq_b``'s rows by heads and ``wo_b``'s columns by output
-    groups (``core.parallel.TensorSharder``); ``wo_a`` stays bf16."""
+    groups (``core.parallel.TensorSharder``); ``wo_a``'s rows by the same groups (held fp8 only
+    where a group is whole 128-row blocks, ``fp8_linear.groups_fit``)."""
     if cfg is None or tp_size <= 1:
         return None
     B = FP8_WEIGHT_BLOCK

@@ -141,6 +141,37 @@ def test_a_traced_fp8_linear_adds_the_split_k_partials_to_the_same_bits(m):
     assert torch.equal(traced, fp8_linear(x, w) * 2.0)
 
 
+@pytest.mark.parametrize("T", [1, 5, 64, 333])
+def test_grouped_wo_a_matches_the_reference(T):
+    """``fp8_grouped_linear`` at V4-Flash's wo_a (8 groups of 1024 rows over 4096 inputs) against
+    each group's ``fp8_linear_reference``; traced (the fused regions' op), the eager bits."""
+    g = torch.Generator(device=DEV).manual_seed(T)
+    G, R, K = 8, 1024, 4096
+    w = _fp8(G * R, K, g)
+    x = torch.randn(T, G, K, generator=g, device=DEV) * torch.logspace(-2, 1, K, device=DEV)
+    got = fp8_linear_mod.fp8_grouped_linear(x, w)
+    assert got.shape == (T, G, R) and got.dtype == x.dtype
+    worst = max(_rel(got[:, i], fp8_linear_reference(
+        x[:, i], Fp8Weight(w.q[i * R:(i + 1) * R], w.scale[i * 8:(i + 1) * 8]))).max().item() for i in range(G))
+    report("fp8_grouped_wo_a_vs_reference", tokens=T, max_rel_err=worst)
+    assert worst < 1e-3, worst  # the bound of test_fp8_linear_matches_the_torch_reference
+    traced = torch.compile(lambda a: fp8_linear_mod.fp8_grouped_linear(a, w) * 2.0, fullgraph=True)(x)
+    assert torch.equal(traced, got * 2.0)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_fp8_wo_a_logits_stay_near_the_bf16_wo_a(tiny_path, serving_rows, graphs, monkeypatch):
+    """``SGLANG_DSV4_WO_A_FP8``: tiny's wo_a held fp8 and run as one grouped GEMM, eager and from
+    graphs, against it dequantised (the quantised heads are the only difference): logits within
+    the fp8 mode's own bounds against bf16, with no host sync in a replayed step."""
+    out = _fp8_logits_off_and_on(tiny_path, serving_rows, monkeypatch, fp8_linear_mod, "GROUPED_WO_A", 8, graphs)
+    for part in (0, 1):
+        a, b = out[True][part].flatten(0, -2), out[False][part].flatten(0, -2)
+        err, agree = _rel(a, b), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        report("logits_fp8_wo_a", graphs=graphs, part=part, median_rel_err=err.median().item(), argmax_agree=agree)
+        assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
+
+
 @pytest.mark.skipif(not compiled.ENABLED, reason="the fused regions are off (SGLANG_DSV4_COMPILE=0)")
 @pytest.mark.parametrize("first, local", [(0, 32), (16, 16)])
 def test_grouped_fp8_experts_fused_regions_give_the_eager_result(first, local, monkeypatch):
@@ -303,7 +334,7 @@ def _expected(cfg: V4Config) -> tuple[int, int]:
     accounting ``weight_bytes`` plus 3 B per 128x128 block, the GPU keeping scales as float32)."""
     specs = checkpoint_tensors(cfg)
     fp4_values = sum(math.prod(s.stored_shapes()[s.name]) for s in specs if s.storage is Storage.FP4)
-    blocks = sum(math.ceil(s.shape[0] / 128) * math.ceil(s.shape[1] / 128) for s in specs if keeps_fp8(s))
+    blocks = sum(math.ceil(s.shape[0] / 128) * math.ceil(s.shape[1] / 128) for s in specs if keeps_fp8(s, cfg))
     return checkpoint_bytes(cfg) + fp4_values, weight_bytes(cfg, "fp8").total + 3 * blocks
 
 

@@ -18,15 +18,16 @@ from sglang_dsv4.core import ops
 from sglang_dsv4.core.cache import V4Cache
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.parallel import shard_weights
-from sglang_dsv4.kernels import fp8_moe, weight_mode
-from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_linear_reference, qdq_act,
-                                            quantize_act)
+from sglang_dsv4.kernels import fp8_linear, fp8_moe, weight_mode
+from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_grouped_linear, fp8_linear_reference,
+                                            qdq_act, quantize_act)
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from sglang_dsv4.kernels.weight_mode import WeightModeError, select_weight_mode
 from sglang_dsv4.launch_server import build_command, dsv4_arguments
 from sglang_dsv4.quant import (dequantize_fp4_packed, dequantize_fp8_blockwise, fp4_to_fp8_blockwise, fp8_qat,
                                quantize_fp4_packed, quantize_fp8_blockwise)
 from sglang_dsv4.tiny import PRESETS, random_weights
+from sglang_dsv4.weight_bytes import weight_bytes
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ def test_fp8_mode_holds_the_checkpoint_values(micro_dir):
     specs = {s.name: s for s in checkpoint_tensors(fp8.config)}
     n = 0
     for name, t in fp8.tensors.items():
-        if keeps_fp8(specs[name]):
+        if keeps_fp8(specs[name], fp8.config):
             assert isinstance(t, Fp8Weight), name
             # every expert tensor's fp4 -> fp8 conversion (and every fp8 matrix) is exact
             assert torch.equal(bits(t.dequantize()), bits(deq[name])), name
@@ -79,7 +80,7 @@ def test_fp8_mode_holds_the_checkpoint_values(micro_dir):
             assert not isinstance(t, Fp8Weight) and torch.equal(t, deq[name]), name
     experts = [s for s in specs.values() if s.storage is Storage.FP4]
     assert n > len(experts) > 0
-    assert not isinstance(fp8.tensors["layers.0.attn.wo_a.weight"], Fp8Weight)  # bf16 in every mode
+    assert not isinstance(fp8.tensors["layers.0.attn.wo_a.weight"], Fp8Weight)  # bf16 unless GROUPED_WO_A
 
 
 def _stored(cfg: V4Config, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -170,6 +171,58 @@ def test_core_tensor_parallelism_cuts_fp8_matrices_as_their_values(tiny_dir):
                 t = t.dequantize()
             assert torch.equal(bits(t), bits(b[name])), name
     assert cut > 0
+
+
+def test_grouped_wo_a_is_held_fp8_where_its_groups_keep_their_blocks(tiny_dir, micro_dir, monkeypatch):
+    """``SGLANG_DSV4_WO_A_FP8``: the fp8 mode keeps ``attn.wo_a`` as the checkpoint stores it where
+    each output group is whole 128x128 blocks (tiny: 8 groups of 128 rows over 4096 inputs), exactly
+    the dequantised matrix; micro's groups of 16 rows stay bf16; the accounting follows the loader."""
+    monkeypatch.setattr(fp8_linear, "GROUPED_WO_A", True)
+    name = "layers.0.attn.wo_a.weight"
+    tiny = load_checkpoint(tiny_dir, weight_mode="fp8")
+    held = tiny.tensors[name]
+    assert isinstance(held, Fp8Weight) and held.shape == (8 * 128, 4096)
+    assert torch.equal(bits(held.dequantize()), bits(load_checkpoint(tiny_dir).tensors[name]))
+    assert not isinstance(load_checkpoint(micro_dir, weight_mode="fp8").tensors[name], Fp8Weight)
+    on = weight_bytes(tiny.config, "fp8").dense
+    monkeypatch.setattr(fp8_linear, "GROUPED_WO_A", False)
+    n = 8 * 128 * 4096
+    layers = sum(s.name.endswith("attn.wo_a.weight") for s in checkpoint_tensors(tiny.config))  # the MTP's too
+    assert layers == tiny.config.num_hidden_layers + 1
+    assert weight_bytes(tiny.config, "fp8").dense - on == layers * (2 * n - n - n // 128 ** 2)
+
+
+@pytest.mark.parametrize("T", [1, 5, 130])
+def test_grouped_fp8_linear_is_each_groups_fp8_linear(T):
+    """On the CPU, group g's rows are ``fp8_linear``'s reference over its slice of the matrix."""
+    g = torch.Generator().manual_seed(T)
+    G, R, K = 4, 256, 384
+    w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(G * R, K, generator=g) * K ** -0.5))
+    x = torch.randn(T, G, K, generator=g) * torch.logspace(-2, 1, K)
+    got = fp8_grouped_linear(x, w)
+    deq = w.dequantize()
+    for i in range(G):
+        ref = fp8_linear_reference(x[:, i], Fp8Weight(w.q[i * R:(i + 1) * R], w.scale[i * 2:(i + 1) * 2]))
+        assert torch.allclose(got[:, i], ref, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got[:, i], qdq_act(x[:, i]) @ deq[i * R:(i + 1) * R].t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="does not split into 3 groups"):
+        fp8_grouped_linear(x[:, :3], w)
+
+
+def test_attention_output_with_fp8_wo_a_is_the_dequantised_one_of_quantised_heads(tiny_dir, monkeypatch):
+    """``ops.attention_output`` over an fp8 ``wo_a``: the bf16-matrix path's result where the
+    heads after the inverse rotation are quantised as V4's QAT does (the only difference)."""
+    cfg = load_checkpoint(tiny_dir).config
+    g = torch.Generator().manual_seed(1)
+    G, R, K = cfg.o_groups, cfg.o_lora_rank, cfg.num_attention_heads * cfg.head_dim // cfg.o_groups
+    wq = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(G * R, K, generator=g) * K ** -0.5))
+    wo_b = torch.randn(cfg.hidden_size, G * R, generator=g) * (G * R) ** -0.5
+    o = torch.randn(3, cfg.num_attention_heads, cfg.head_dim, generator=g)
+    rope = ops.rope_at(torch.tensor([5, 900, 4000]), ops.layer_inv_freqs(cfg, 4))
+    got = ops.attention_output(o, {"attn.wo_a.weight": wq, "attn.wo_b.weight": wo_b}, rope, cfg)
+    turned = ops.apply_rope(o, rope, inverse=True).reshape(3, G, K)
+    z = torch.einsum("tgk,grk->tgr", qdq_act(turned.reshape(3 * G, K)).view(3, G, K), wq.dequantize().view(G, R, K))
+    assert torch.allclose(got, z.flatten(1) @ wo_b.t(), rtol=1e-4, atol=1e-5)
 
 
 # ---- mode selection and the flag -----------------------------------------------------------------
@@ -400,6 +453,33 @@ print("WORST", worst)
 def test_triton_kernel_interpreted(triton_interpreted):
     worst = triton_interpreted(_INTERPRETED)
     assert worst < 1e-5, worst
+
+
+_GROUPED_LINEAR = r"""
+import torch
+import sglang_dsv4.kernels.fp8_linear as fl
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_grouped_linear
+from sglang_dsv4.quant import quantize_fp8_blockwise
+torch.manual_seed(0)
+worst = 0.0
+# 16-row blocks (1, 20 tokens) and 64-row ones (40); K of 8 blocks over few tiles splits (split_k)
+for T, G, R, K in [(1, 2, 128, 256), (20, 3, 256, 1024), (40, 2, 128, 384)]:
+    w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(G * R, K) * K ** -0.5))
+    x = torch.randn(T, G, K)
+    got = fp8_grouped_linear(x, w)
+    fl.INTERPRET = False  # the reference
+    ref = fp8_grouped_linear(x, w)
+    fl.INTERPRET = True
+    assert got.shape == ref.shape == (T, G, R)
+    worst = max(worst, ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
+print("WORST", worst)
+"""
+
+
+def test_grouped_fp8_linear_interpreted(triton_interpreted):
+    """``fp8_grouped_linear``'s launch (each group a block-aligned "expert" of the grouped GEMM,
+    the rows padded per group) gives the reference's rows."""
+    assert triton_interpreted(_GROUPED_LINEAR) < 1e-5
 
 
 _SWIGLU_EPILOGUE = r"""
