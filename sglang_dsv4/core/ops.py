@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
 from ..kernels import c128_pool, hc_split
+from ..kernels import c4_entries as c4_entries_kernel
 from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
@@ -460,10 +461,21 @@ def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
     return (torch.softmax(s, dim=-1) * a).sum(-1)
 
 
-@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "dst": (0,), "rope": (0,)})
 def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
                dst: tuple[Tensor, Tensor], w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
                is_indexer: bool, quant_sim: bool) -> Tensor:
+    """``c4_entries_torch``; opted in on the GPU, two Triton launches (``kernels.c4_entries``)
+    instead of the fused region's ~9 kernels. Decided here, outside the compiled region."""
+    if c4_entries_kernel.supported(a, s, state_a, state_s, idx, rope, cfg, is_indexer):
+        return c4_entries_kernel.c4_entries(a, s, state_a, state_s, slots, idx, dst, w[f"{prefix}.norm.weight"],
+                                            rope, cfg, is_indexer, quant_sim)
+    return c4_entries_torch(a, s, state_a, state_s, slots, idx, dst, w, prefix, rope, cfg, is_indexer, quant_sim)
+
+
+@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "dst": (0,), "rope": (0,)})
+def c4_entries_torch(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
+                     dst: tuple[Tensor, Tensor], w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
+                     is_indexer: bool, quant_sim: bool) -> Tensor:
     """The C4 entry each token's 8-row window completes, finished (``finish_entries``) -> [T, d].
 
     The window's rows come from [the step's requests' rows of this layer's slot states
