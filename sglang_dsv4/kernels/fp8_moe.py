@@ -160,7 +160,7 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     T, k = chosen.shape
     E, P = experts.num_experts, chosen.numel()
     A, M = grouped_rows(P, E)
-    layout = moe_layout.row_layout if moe_layout.preferred(chosen) else _row_layout  # one launch on the GPU
+    layout = moe_layout.row_layout if moe_layout.preferred(chosen, E) else _row_layout  # one launch on the GPU
     token_of_row, block_expert, dest_of_pair, gate_of_row = layout(chosen, gates, first_expert, E, A, M)
     xq, xs = quantize_act(x)
     if FUSED_SWIGLU and swiglu_epilogue_fits(M, experts, A, x.device):

@@ -20,10 +20,12 @@ Tensor = torch.Tensor
 
 MAX_PAIRS = 4096  # one program sorts them all in registers: decode batches (256 x 6 = 1536)
 CHUNK = 256       # blocks / rows a loop iteration writes
-# Where the one program beats the fused torch region (bench_moe_layout on the H200, session 16:
-# 6 pairs 1.03x at 32 experts, 2.1x at 256; 384 pairs 1.11x at 32, 0.63x at 256; 1536 pairs
-# 0.72-0.86x): a single program's serial scan loses once the pairs fill the torch kernels' grids.
+# Where the one program beats the fused torch region (bench_moe_layout on the H200, session 16,
+# k 6: 6 pairs 2.07x / 1.03x / 2.13x at 8 / 32 / 256 experts; 384 pairs 1.86x / 1.11x / 0.63x;
+# 1536 pairs 0.72-0.86x): a single program's serial scan loses once the pairs fill the torch
+# kernels' grids, sooner the more experts it scans.
 FASTER_UP_TO = 128
+FASTER_UP_TO_FEW_EXPERTS = (384, 32)  # (pairs, experts): up to 384 pairs with at most 32 experts
 
 
 def supported(chosen: Tensor) -> bool:
@@ -32,10 +34,13 @@ def supported(chosen: Tensor) -> bool:
     return 0 < chosen.numel() <= MAX_PAIRS and runs_on(chosen, "moe_layout_triton")
 
 
-def preferred(chosen: Tensor) -> bool:
-    """Whether the step should take ``row_layout`` over the torch region: supported, and at most
-    ``FASTER_UP_TO`` pairs (where it measured faster)."""
-    return chosen.numel() <= FASTER_UP_TO and supported(chosen)
+def preferred(chosen: Tensor, num_experts: int) -> bool:
+    """Whether the step should take ``row_layout`` over the torch region for ``num_experts`` local
+    experts: supported, and where it measured faster: at most ``FASTER_UP_TO`` pairs, or
+    ``FASTER_UP_TO_FEW_EXPERTS`` (flash43's 8 experts at batch 64: 1.86x)."""
+    pairs, (few_pairs, few_experts) = chosen.numel(), FASTER_UP_TO_FEW_EXPERTS
+    faster = pairs <= FASTER_UP_TO or (pairs <= few_pairs and num_experts <= few_experts)
+    return faster and supported(chosen)
 
 
 @torch.compiler.disable  # a kernel launch, never traced
@@ -62,4 +67,4 @@ def row_layout(chosen: Tensor, gates: Tensor, first_expert: int, num_experts: in
     return token_of_row, block_expert, dest_of_pair, gate_of_row
 
 
-__all__ = ["row_layout", "supported", "preferred", "MAX_PAIRS", "FASTER_UP_TO"]
+__all__ = ["row_layout", "supported", "preferred", "MAX_PAIRS", "FASTER_UP_TO", "FASTER_UP_TO_FEW_EXPERTS"]

@@ -37,3 +37,15 @@ def test_the_kernel_serves_decode_pair_counts_only():
     cpu = torch.zeros(256, 6, dtype=torch.int32)
     assert not moe_layout.supported(cpu) or triton_support.INTERPRET  # a CPU tensor: the torch region
     assert moe_layout.MAX_PAIRS >= 256 * 6  # the largest decode bucket's pairs at V4's k
+
+
+def test_the_step_takes_the_kernel_where_it_measured_faster(monkeypatch):
+    """``preferred``: up to 128 pairs whatever the experts; up to 384 (64 tokens of 6) with at
+    most 32 local experts (flash43's 8 experts at batch 64: 1.86x on the H200), not with 256
+    (0.63x); never past 384 (1536 pairs lost at every expert count)."""
+    monkeypatch.setattr(moe_layout, "supported", lambda chosen: True)
+    pairs = lambda tokens: torch.zeros(tokens, 6, dtype=torch.int64)  # noqa: E731
+    assert moe_layout.preferred(pairs(21), 256) and not moe_layout.preferred(pairs(22), 256)
+    assert moe_layout.preferred(pairs(64), 8) and moe_layout.preferred(pairs(64), 32)
+    assert not moe_layout.preferred(pairs(64), 256) and not moe_layout.preferred(pairs(65), 8)
+    assert not moe_layout.preferred(pairs(256), 8)
