@@ -52,8 +52,8 @@ graphs keep what was on while they were captured.
 
 ``--weights bf16,fp8``: each case in each weight mode (the ``weights`` column): ``bf16`` the
 dequantised matrices above, ``fp8`` random checkpoint-format tensors loaded in the fp8 weight
-mode (fp8 block-128 matrices, fp4 experts converted to fp8; ``kernels.weight_mode``); the
-roofline counts the bytes each mode's weights hold (fp8: 1 B per value plus scales). The old
+mode (fp8 block-128 matrices, fp4 experts converted to fp8; ``kernels.weight_mode``), ``fp8+wo_a``
+the same with ``attn.wo_a`` kept fp8 (``SGLANG_DSV4_WO_A_FP8``, read at load); the roofline counts the bytes each mode's weights hold (fp8: 1 B per value plus scales). The old
 path runs in bf16 only.
 """
 
@@ -77,6 +77,7 @@ from sglang_dsv4.checkpoint.schema import Storage, checkpoint_tensors
 from sglang_dsv4.checkpoint.writer import random_stored
 from sglang_dsv4.config import V4Config
 from sglang_dsv4.core.model import V4Model, weight_dtypes
+from sglang_dsv4.kernels import fp8_linear
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, weight_nbytes
 from sglang_dsv4.kernels.kv_layout import V4_TOKEN_BYTES
 from sglang_dsv4.srt.state import SglangV4Cache
@@ -133,13 +134,20 @@ def fp8_random_weights(cfg: V4Config, device: str, seed: int = 0) -> dict:
 
 
 def bench_weights(cfg: V4Config, device: str, mode: str) -> dict:
-    """The weights of one ``--weights`` mode: bf16 (dequantised), fp8, or fp32 (dequantised in
-    float32, as the CPU server runs: for CPU-side comparisons)."""
+    """The weights of one ``--weights`` mode: bf16 (dequantised), fp8, fp8+wo_a (fp8 with
+    ``attn.wo_a`` kept fp8 too, ``SGLANG_DSV4_WO_A_FP8``: a load-time choice, so a weight mode
+    here rather than a switch), or fp32 (dequantised in float32, as the CPU server runs: for
+    CPU-side comparisons)."""
     if mode in ("bf16", "fp32"):
         return random_weights(cfg, device, torch.bfloat16 if mode == "bf16" else torch.float32)
-    if mode == "fp8":
-        return fp8_random_weights(cfg, device)
-    raise SystemExit(f"--weights: expected bf16, fp8 or fp32, got {mode!r}")
+    if mode in ("fp8", "fp8+wo_a"):
+        held = fp8_linear.GROUPED_WO_A
+        fp8_linear.GROUPED_WO_A = mode == "fp8+wo_a"
+        try:
+            return fp8_random_weights(cfg, device)
+        finally:
+            fp8_linear.GROUPED_WO_A = held
+    raise SystemExit(f"--weights: expected bf16, fp8, fp8+wo_a or fp32, got {mode!r}")
 
 
 _STACKED = (".ffn.experts.w13", ".ffn.experts.w2", ".ffn.experts.fp8")
@@ -556,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                          "same in the deterministic mode (batched-det, graphs-det); the before path runs "
                          "whenever --old-root is given")
     ap.add_argument("--weights", default="bf16",
-                    help="weight modes, side by side: bf16 (dequantised) and/or fp8 (fp8 block-128, experts converted)")
+                    help="weight modes, side by side: bf16 (dequantised), fp8 (fp8 block-128, experts converted) "
+                         "and/or fp8+wo_a (fp8 with attn.wo_a fp8 too, SGLANG_DSV4_WO_A_FP8)")
     ap.add_argument("--switches", default="",
                     help="sets of switched GPU kernels to run each new path with, side by side: default (as the "
                          "process started), none (all off), or +-joined names of "

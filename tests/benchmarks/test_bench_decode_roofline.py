@@ -43,3 +43,17 @@ def test_the_floor_is_never_below_either_bound(tiny_weights):
         floor = bench_decode.step_floor(cfg, w, batch, 2048, 3e12, peaks)
         assert floor >= bench_decode.step_bytes(cfg, w, batch, 2048) / 3e12 * (1 - 1e-12)
         assert floor >= bench_decode.step_floor(cfg, w, batch, 2048, math.inf, peaks) * (1 - 1e-12)
+
+
+def test_the_fp8_wo_a_weights_hold_wo_a_fp8_and_count_its_bytes():
+    """``--weights fp8+wo_a``: the fp8 mode loaded with ``attn.wo_a`` kept fp8 (a load-time
+    choice), the switch as it was afterwards; the roofline counts half wo_a's bf16 bytes."""
+    cfg = bench_decode.make_config("tiny", 4096)
+    held = bench_decode.fp8_linear.GROUPED_WO_A
+    fp8, fp8_wo_a = (bench_decode.bench_weights(cfg, "cpu", m) for m in ("fp8", "fp8+wo_a"))
+    assert bench_decode.fp8_linear.GROUPED_WO_A == held
+    name = "layers.0.attn.wo_a.weight"
+    assert isinstance(fp8_wo_a[name], bench_decode.Fp8Weight) and not isinstance(fp8[name], bench_decode.Fp8Weight)
+    saved = bench_decode.step_bytes(cfg, fp8, 1, 1024) - bench_decode.step_bytes(cfg, fp8_wo_a, 1, 1024)
+    n = fp8[name].numel()
+    assert n * 0.99 < saved / cfg.num_hidden_layers < n * 1.01  # 2 B -> 1 B (+ scales) per value, per layer
