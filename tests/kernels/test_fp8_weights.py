@@ -472,13 +472,18 @@ for T, G, R, K in [(1, 2, 128, 256), (20, 3, 256, 1024), (40, 2, 128, 384)]:
     fl.INTERPRET = True
     assert got.shape == ref.shape == (T, G, R)
     worst = max(worst, ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
+    # traced (the fused regions): through the op, no graph break, the eager bits
+    torch._dynamo.reset()
+    traced = torch.compile(lambda a: fp8_grouped_linear(a, w) + 1, backend="aot_eager", fullgraph=True)(x)
+    worst += float(not torch.equal(traced, got + 1))
 print("WORST", worst)
 """
 
 
 def test_grouped_fp8_linear_interpreted(triton_interpreted):
     """``fp8_grouped_linear``'s launch (each group a block-aligned "expert" of the grouped GEMM,
-    the rows padded per group) gives the reference's rows."""
+    the rows padded per group) gives the reference's rows, and traced without a graph break
+    (``ops.attention_output`` is a fused region) the eager bits."""
     assert triton_interpreted(_GROUPED_LINEAR) < 1e-5
 
 
