@@ -155,9 +155,12 @@ def test_fp8_shards_cut_values_and_scales_alike():
     assert _shard_fp8("x", w, lambda _n, t: None) is None
 
 
-def test_core_tensor_parallelism_cuts_fp8_matrices_as_their_values(tiny_dir):
+@pytest.mark.parametrize("fp8_wo_a", [False, True])
+def test_core_tensor_parallelism_cuts_fp8_matrices_as_their_values(tiny_dir, fp8_wo_a, monkeypatch):
     """``parallel.shard_weights`` on fp8-mode weights (the core's own TP, as the server's streamed
-    loader does per tensor): each rank's Fp8Weight dequantises to its slice of the dequantised one."""
+    loader does per tensor): each rank's Fp8Weight dequantises to its slice of the dequantised one
+    (``fp8_wo_a``: attn.wo_a held fp8 too, cut by output groups)."""
+    monkeypatch.setattr(fp8_linear, "GROUPED_WO_A", fp8_wo_a)
     deq = load_checkpoint(tiny_dir).tensors  # micro's matrices are too narrow to cut on 128 blocks
     fp8 = load_checkpoint(tiny_dir, weight_mode="fp8")
     cut = 0
@@ -171,6 +174,7 @@ def test_core_tensor_parallelism_cuts_fp8_matrices_as_their_values(tiny_dir):
                 t = t.dequantize()
             assert torch.equal(bits(t), bits(b[name])), name
     assert cut > 0
+    assert isinstance(a["layers.0.attn.wo_a.weight"], Fp8Weight) == fp8_wo_a
 
 
 def test_grouped_wo_a_is_held_fp8_where_its_groups_keep_their_blocks(tiny_dir, micro_dir, monkeypatch):
