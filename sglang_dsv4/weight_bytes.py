@@ -108,7 +108,7 @@ def tensor_bytes(spec: TensorSpec, shape: tuple[int, ...], mode: str, cfg: V4Con
         return n * 8
     if not _is_matrix(spec.name):
         return n * 4  # the activations' dtype (weight_dtypes' default), in every mode
-    if mode == "bf16" or not keeps_fp8(spec, cfg):
+    if mode == "bf16" or spec.storage is Storage.BF16 or (spec.storage is Storage.FP8 and not keeps_fp8(spec, cfg)):
         return n * 2
     if spec.storage is Storage.FP8:
         return _fp8_block_bytes(*shape)

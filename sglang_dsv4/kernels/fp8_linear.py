@@ -354,11 +354,15 @@ def groups_fit(rows: int, cols: int, groups: int) -> bool:
     return rows % groups == 0 and (rows // groups) % B == 0 and cols % B == 0
 
 
-def grouped_block_rows(tokens: int) -> int:
-    """Rows per block of ``fp8_grouped_linear``'s GEMM: 64 from 32 tokens (each group's weights
-    read by fewer blocks), else 16 (less padding); the routed experts' rule
-    (``fp8_moe.block_rows``) with every group holding every token."""
-    return 64 if tokens >= 32 else 16
+GROUP_ROWS_FOR_64 = 32  # rows a group gets on average from which its blocks take 64 rows
+
+
+def block_rows_by_group(rows: int, groups: int) -> int:
+    """Rows per block of a grouped GEMM of ``rows`` rows over ``groups`` groups (experts): 64 from
+    ``GROUP_ROWS_FOR_64`` rows a group on average (each group's weights read by fewer blocks),
+    else 16 (less padding). ``fp8_grouped_linear``'s rule, and ``fp8_moe.block_rows``' with
+    ``EXPERT_BLOCKS``."""
+    return 64 if rows >= GROUP_ROWS_FOR_64 * groups else 16
 
 
 def fp8_grouped_linear(x: Tensor, w: Fp8Weight) -> Tensor:
@@ -377,7 +381,7 @@ def fp8_grouped_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     if not runs_kernel(x.device):
         a = qdq_act(x.reshape(T * G, K)).view(T, G, K)
         return torch.einsum("tgk,grk->tgr", a, w.dequantize().view(G, R, K)).to(x.dtype)
-    A = grouped_block_rows(T) if isinstance(T, int) else 64
+    A = block_rows_by_group(T * G, G) if isinstance(T, int) else 64  # every group holds every row
     Tp = -(-T // A) * A
     xg = F.pad(x.transpose(0, 1), (0, 0, 0, Tp - T)).reshape(G * Tp, K)  # group-major, each group Tp rows
     q, s = quantize_act(xg)

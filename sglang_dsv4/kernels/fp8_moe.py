@@ -60,7 +60,8 @@ from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
 from . import moe_layout
 from .expert_rows import expert_rows
-from .fp8_linear import Fp8Weight, add_splits, fp8_gemm, quantize_act, runs_kernel, sm_count, split_k
+from .fp8_linear import (Fp8Weight, add_splits, block_rows_by_group, fp8_gemm, quantize_act, runs_kernel, sm_count,
+                         split_k)
 from .triton_support import pdl_options
 
 Tensor = torch.Tensor
@@ -76,7 +77,6 @@ FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "1") == "1"
 # Whether the rows per expert block follow the pairs a local expert gets (module docstring); read
 # per call; opt-in until timed on a GPU (``bench_fp8_gemm --blocks``, ``bench_decode --switches``).
 EXPERT_BLOCKS = os.environ.get("SGLANG_DSV4_EXPERT_BLOCKS", "0") == "1"
-EXPERT_BLOCK_ROWS_64 = 32  # rows an expert gets on average from which its blocks take 64 rows
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def block_rows(pairs: int, experts: int | None = None) -> int:
     on). With ``EXPERT_BLOCKS`` and the local expert count, by the rows an expert gets on average
     instead: 64 from 32 pairs an expert, else 16 (module docstring)."""
     if EXPERT_BLOCKS and experts:
-        return 64 if pairs >= EXPERT_BLOCK_ROWS_64 * experts else 16
+        return block_rows_by_group(pairs, experts)
     return 16 if pairs < 1024 else 64
 
 
