@@ -288,9 +288,10 @@ class V4Model:
         """The batched step on device tensors only: -> final residual streams [T, hc, D]."""
         cfg = self.cfg
         h = self.w["embed.weight"][step.ids].to(self.dtype).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        done = None
         for i, lw in enumerate(self.layers):
-            h = self._block(h, lw, i, cfg.layer_ratios[i], step, cache, hash_routed=i < cfg.num_hash_layers)
-        return h
+            h, done = self._block(h, done, lw, i, cfg.layer_ratios[i], step, cache, hash_routed=i < cfg.num_hash_layers)
+        return ops.hc_expand(h, done)
 
     def head_input(self, h: Tensor, w: dict[str, Tensor] | None = None) -> Tensor:
         """Final streams [T, hc, D] -> the normed hidden states the head is applied to [T, D]."""
@@ -364,29 +365,32 @@ class V4Model:
         streams = torch.cat(list(streams))
         streams = torch.cat((streams, streams.new_zeros((step.num_tokens - streams.shape[0],) + streams.shape[1:])))
         h = ops.mtp_input(streams, step.ids, self.w["embed.weight"], w, cfg)
-        h = self._block(h, w, layer, 0, step, cache, hash_routed=False)
+        h = ops.hc_expand(*self._block(h, None, w, layer, 0, step, cache, hash_routed=False))
         for req, n in zip(reqs, step.real_lens):
             req.mtp_num_tokens += n
         return self._per_request(h, self.head_input(h, w), step.real_lens, False, False, False)
 
     # ---- blocks ----------------------------------------------------------------------------
-    def _block(self, h: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
-               cache: V4CacheView, hash_routed: bool) -> Tensor:
+    def _block(self, h: Tensor, done: ops.SublayerOutput | None, w: dict[str, Tensor], layer: int, ratio: int,
+               step: StepBatch, cache: V4CacheView, hash_routed: bool) -> tuple[Tensor, ops.SublayerOutput]:
+        """One layer on the streams ``h`` and the previous layer's MoE output ``done`` (not yet in
+        them: each sublayer boundary expands one output and reduces the next input at once,
+        ``ops.hc_boundary``) -> (streams, this layer's MoE output, likewise not yet in them)."""
         cfg = self.cfg
-        x, post, comb = ops.hc_pre(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg,
-                                   norm=w["attn_norm.weight"])
-        h = ops.hc_post(self._attention(x, w, layer, ratio, step, cache), h, post, comb)
-        x, post, comb = ops.hc_pre(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg,
-                                   norm=w["ffn_norm.weight"])
+        h, x, post, comb = ops.hc_boundary(h, done, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg,
+                                           norm=w["attn_norm.weight"])
+        attn = ops.SublayerOutput(self._attention(x, w, layer, ratio, step, cache), post, comb)
+        h, x, post, comb = ops.hc_boundary(h, attn, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg,
+                                           norm=w["ffn_norm.weight"])
         par = self.parallel
         if par is None and self.branches.on and ops.separate_shared_expert(w, cfg):
             # the routed experts and the shared expert side by side; hc_post adds them (routed +
             # shared, the sum ops.moe makes)
             routed, shared = self.branches.run([lambda: ops.routed_experts(x, step.ids, w, cfg, hash_routed),
                                                 lambda: ops.shared_expert(x, w, cfg)])
-            return ops.hc_post(routed, h, post, comb, shared)
+            return h, ops.SublayerOutput(routed, post, comb, shared)
         f = par.moe(x, step.ids, w, cfg, hash_routed) if par else ops.moe(x, step.ids, w, cfg, hash_routed)
-        return ops.hc_post(f, h, post, comb)
+        return h, ops.SublayerOutput(f, post, comb)
 
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
                    cache: V4CacheView) -> Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..config import RopeScaling, V4Config, yarn_ramp_bounds
 from ..kernels import c128_pool, hc_split
+from ..kernels import hc_boundary as hc_boundary_kernel
 from ..kernels import c4_entries as c4_entries_kernel
 from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
@@ -247,6 +248,37 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
         comb = comb / (row_sum(comb) + eps)
         comb = comb / (col_sum(comb) + eps)
     return comb
+
+
+class SublayerOutput(NamedTuple):
+    """A sublayer's output not yet expanded into the streams: ``hc_post``'s operands but h. The
+    model hands it to the next sublayer's ``hc_boundary``, where the expansion and the next input's
+    reduction can be one pair of launches."""
+    f: Tensor
+    post: Tensor
+    comb: Tensor
+    f_plus: Tensor | None = None
+
+
+def hc_boundary(h: Tensor, done: SublayerOutput | None, fn: Tensor, base: Tensor, scale: Tensor,
+                cfg: V4Config, norm: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The streams after the finished sublayer ``done`` (``hc_post``; h itself where None), and the
+    next sublayer's input from them (``hc_pre`` with its ``norm``) -> (streams, y, post, comb).
+
+    With ``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1`` on a GPU that is two Triton launches
+    (``kernels.hc_boundary``) instead of hc_post's region, SGLang's two kernels and the weighted
+    norm's region; the same ops as ever elsewhere."""
+    if hc_boundary_kernel.supported(h, fn, norm, cfg, done.f if done else None, done.f_plus if done else None):
+        if done is None:
+            return hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg)
+        return hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg, *done)
+    h = hc_expand(h, done)
+    return (h, *hc_pre(h, fn, base, scale, cfg, norm=norm))
+
+
+def hc_expand(h: Tensor, done: SublayerOutput | None) -> Tensor:
+    """The streams after the finished sublayer ``done`` (``hc_post``), h itself where None."""
+    return h if done is None else hc_post(done.f, h, done.post, done.comb, done.f_plus)
 
 
 @on_gpu(rows={"f": (0,), "h": (0,), "post": (0,), "comb": (0,), "f_plus": (0,)})

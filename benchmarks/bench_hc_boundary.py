@@ -1,0 +1,76 @@
+"""A hyper-connection sublayer boundary on the GPU at V4-Flash width: the default path (``hc_post``'s
+region, SGLang's two mixes + Sinkhorn kernels, the weighted norm's region) against the two launches
+of ``kernels.hc_boundary`` (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``), side by side.
+
+    python -m benchmarks.bench_hc_boundary [--batches 1,16,64,256] [--dim 4096] [--reps 50]
+
+Per batch and kind (``post``: an attention output expanded, then the next input; ``first``: the
+first sublayer's input alone): microseconds per call of each path (captured in a CUDA graph and
+replayed, as in a graphed step, ``bench_fp8_gemm.time_us``), kernel launches per call (torch
+profiler), the speed-up, the largest difference of the outputs relative to their largest value,
+and whether a row's kernel result is the same bits alone as in the batch. The floor: the bytes a
+call must move (the streams read, the output read and the new streams written where it expands
+one, the mixing matrix) over the copy bandwidth measured in the same run. A harness: it decides
+the switch's default; the package never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.bench_decode import copy_bandwidth
+from benchmarks.bench_fp8_gemm import time_us
+from benchmarks.bench_hc_pre import _launches
+from sglang_dsv4.core import ops
+from sglang_dsv4.kernels import hc_boundary, hc_split
+from sglang_dsv4.tiny import preset_config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--dim", type=int, default=4096, help="hidden size D (V4-Flash: 4096)")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    cfg = preset_config("flash8")
+    hc, D = cfg.hc_mult, args.dim
+    if hc_split.sglang_fused_pre() is None:
+        print("note: SGLang's hyper-connection kernels do not import here: the default path is torch ops")
+    bw = copy_bandwidth("cuda")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s ({torch.cuda.get_device_name()}); hc {hc}, D {D}")
+    print("| batch | kind | default us | launches | kernel us | launches | speed-up | floor us | max diff "
+          "| alone = in batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mix = (2 + hc) * hc
+    fn = torch.randn(mix, hc * D, generator=g, device="cuda") * 0.01
+    base = torch.randn(mix, generator=g, device="cuda") * 0.5
+    scale = torch.rand(3, generator=g, device="cuda") + 0.5
+    norm = torch.rand(D, generator=g, device="cuda") + 0.5
+    for B in [int(b) for b in args.batches.split(",")]:
+        h = torch.randn(B, hc, D, generator=g, device="cuda")
+        f = torch.randn(B, D, generator=g, device="cuda")
+        post = torch.rand(B, hc, generator=g, device="cuda") * 2
+        comb = torch.softmax(torch.randn(B, hc, hc, generator=g, device="cuda"), -1)
+        for kind, done in (("post", ops.SublayerOutput(f, post, comb)), ("first", None)):
+            def call(on: bool, h=h, done=done):
+                hc_boundary.ENABLED = on
+                return ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+
+            want, got = call(False), call(True)
+            diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+            part = done and ops.SublayerOutput(*(t[-1:] if t is not None else None for t in done))
+            alone = call(True, h[-1:].contiguous(), part)
+            same = all(torch.equal(a[0], b[-1]) for a, b in zip(alone, got))
+            t_def, t_new = time_us(lambda: call(False), args.reps), time_us(lambda: call(True), args.reps)
+            n_def, n_new = _launches(lambda: call(False)), _launches(lambda: call(True))
+            moved = h.numel() * 4 + fn.numel() * 4 + (f.numel() * 4 + h.numel() * 4 if done else 0)
+            print(f"| {B} | {kind} | {t_def:.1f} | {n_def} | {t_new:.1f} | {n_new} | {t_def / t_new:.2f}x | "
+                  f"{moved / bw * 1e6:.1f} | {diff:.1e} | {'yes' if same else 'no'} |")
+    hc_boundary.ENABLED = False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``kernels.hc_boundary``: a sublayer boundary (``ops.hc_post`` then ``ops.hc_pre`` with its norm)
+in two launches against the torch ops, interpreted on the CPU: widths of one K tile, a ragged last
+tile, several slices of several tiles; with the MoE's second output part and without; the first
+sublayer's (no output to expand); a row alone against the same row in a batch (the same bits:
+the slicing follows the width only). Then a micro model's logits with the kernel on against off.
+With the switch off ``ops.hc_boundary`` runs the torch ops."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_dsv4.core import ops
+from sglang_dsv4.kernels import hc_boundary
+
+_CASES = """
+import torch
+from sglang_dsv4.core import ops
+from sglang_dsv4.kernels import hc_boundary as kernel
+from sglang_dsv4.tiny import preset_config
+kernel.ENABLED = True  # opt-in
+cfg = preset_config("tiny")
+g = torch.Generator().manual_seed(0)
+worst = 0.0
+for T, D in ((37, 256), (3, 200), (1, 64), (2, 64 * 40)):  # 64 * 40: 20 slices of 2 tiles
+    hc = cfg.hc_mult
+    h = torch.randn(T, hc, D, generator=g)
+    f, f_plus = torch.randn(T, 2 * D, generator=g)[:, :D], torch.randn(T, D, generator=g)  # f strided
+    post = torch.rand(T, hc, generator=g) * 2
+    comb = torch.softmax(torch.randn(T, hc, hc, generator=g), -1)
+    fn = torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.05
+    base, scale = torch.randn((2 + hc) * hc, generator=g) * 0.5, torch.rand(3, generator=g) + 0.5
+    norm = torch.rand(D, generator=g) + 0.5
+    for done in (ops.SublayerOutput(f, post, comb), ops.SublayerOutput(f, post, comb, f_plus), None):
+        assert kernel.supported(h, fn, norm, cfg, done and done.f, done and done.f_plus)
+        got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+        kernel.ENABLED = False
+        want = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+        kernel.ENABLED = True
+        assert [t.shape for t in got] == [t.shape for t in want] and all(t.dtype == torch.float32 for t in got)
+        assert (done is None) == (got[0] is h)
+        worst = max([worst] + [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, want)])
+        assert (got[3].sum(-2) - 1).abs().max() < 1e-5  # doubly stochastic, as the torch one
+        # a row alone: the same bits as in the batch
+        i = T // 2
+        alone = ops.hc_boundary(h[i:i + 1].contiguous(), done and ops.SublayerOutput(
+            *(t[i:i + 1] if t is not None else None for t in done)), fn, base, scale, cfg, norm)
+        if not all(torch.equal(a[0], b[i]) for a, b in zip(alone, got)):
+            worst = float("inf")
+print("WORST", worst)
+"""
+
+
+def test_the_kernel_gives_the_torch_ops_boundary(triton_interpreted):
+    assert triton_interpreted(_CASES) < 2e-6  # fp32: other summation orders
+
+
+_MODEL = """
+import tempfile, pathlib
+import torch
+from sglang_dsv4.checkpoint import load_checkpoint
+from sglang_dsv4.core.cache import V4Cache
+from sglang_dsv4.core.model import V4Model
+from sglang_dsv4.kernels import hc_boundary as kernel
+from sglang_dsv4.tiny import build_tiny
+ckpt = load_checkpoint(build_tiny("micro", 0, pathlib.Path(tempfile.mkdtemp()) / "ckpt"))
+cfg = ckpt.config
+ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+logits = []
+for on in (False, True):
+    kernel.ENABLED = on
+    model = V4Model(cfg, ckpt.tensors)
+    cache = V4Cache(cfg, max_requests=1, max_total_tokens=256, page_size=64)
+    req = cache.new_request()
+    out = [model.forward(cache, [req], [ids[:17]])[0]]
+    out += [model.forward(cache, [req], [ids[p:p + 1]])[0] for p in range(17, 24)]
+    logits.append(torch.cat(out))
+err = (logits[1] - logits[0]).norm(dim=-1) / logits[0].norm(dim=-1)
+print("median", err.median().item())
+print("WORST", err.max().item() if err.median() < 1e-5 else float("inf"))
+"""
+
+
+def test_a_model_with_the_kernel_gives_its_logits(triton_interpreted):
+    """Prefill and decode of a micro model (every boundary through the kernel, the first layer's
+    without an output to expand, the last expanded for the head by ``hc_expand``): the logits of
+    the torch ops to float rounding (and a rare fp8 / fp4 bin flip of the simulated quantisation)."""
+    assert triton_interpreted(_MODEL) < 2e-3
+
+
+def test_the_switch_off_keeps_the_torch_ops(monkeypatch):
+    from sglang_dsv4.tiny import preset_config
+
+    cfg = preset_config("micro")
+    T, hc, D = 2, cfg.hc_mult, cfg.hidden_size
+    h = torch.randn(T, hc, D)
+    done = ops.SublayerOutput(torch.randn(T, D), torch.rand(T, hc), torch.rand(T, hc, hc))
+    fn, norm = torch.randn((2 + hc) * hc, hc * D), torch.ones(D)
+    base, scale = torch.zeros((2 + hc) * hc), torch.ones(3)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel ran")
+
+    monkeypatch.setattr(hc_boundary, "ENABLED", False)
+    monkeypatch.setattr(hc_boundary, "post_pre", refuse)
+    got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+    h2 = ops.hc_post(done.f, h, done.post, done.comb)
+    want = (h2, *ops.hc_pre(h2, fn, base, scale, cfg, norm=norm))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(ops.hc_expand(h, done), h2) and ops.hc_expand(h, None) is h
