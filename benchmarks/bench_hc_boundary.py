@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.bench_decode import copy_bandwidth
 from benchmarks.bench_fp8_gemm import time_us
-from benchmarks.bench_hc_pre import _launches
+from benchmarks.bench_hc_pre import _launches, mixer
 from sglang_dsv4.core import ops
 from sglang_dsv4.kernels import hc_boundary, hc_split
 from sglang_dsv4.tiny import preset_config
@@ -44,10 +44,7 @@ def main() -> None:
           "| alone = in batch |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
-    mix = (2 + hc) * hc
-    fn = torch.randn(mix, hc * D, generator=g, device="cuda") * 0.01
-    base = torch.randn(mix, generator=g, device="cuda") * 0.5
-    scale = torch.rand(3, generator=g, device="cuda") + 0.5
+    fn, base, scale = mixer(hc, D, g)
     norm = torch.rand(D, generator=g, device="cuda") + 0.5
     for B in [int(b) for b in args.batches.split(",")]:
         h = torch.randn(B, hc, D, generator=g, device="cuda")

@@ -34,6 +34,14 @@ def _launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def mixer(hc: int, D: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random hyper-connection mixer on the GPU at width ``D``: (fn, base, scale)."""
+    mix = (2 + hc) * hc
+    fn = torch.randn(mix, hc * D, generator=g, device="cuda") * 0.01
+    base = torch.randn(mix, generator=g, device="cuda") * 0.5
+    return fn, base, torch.rand(3, generator=g, device="cuda") + 0.5
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,16,64,256")
@@ -50,10 +58,7 @@ def main() -> None:
           "| alone = in batch |")
     print("|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
-    mix = (2 + hc) * hc
-    fn = torch.randn(mix, hc * D, generator=g, device="cuda") * 0.01
-    base = torch.randn(mix, generator=g, device="cuda") * 0.5
-    scale = torch.rand(3, generator=g, device="cuda") + 0.5
+    fn, base, scale = mixer(hc, D, g)
     for B in [int(b) for b in args.batches.split(",")]:
         h = torch.randn(B, hc, D, generator=g, device="cuda")
 
