@@ -102,7 +102,7 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     block = pow2(d)
     pre_finish_kernel[(T,)](
         part_mix, part_sq, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
-        y, post_n, comb_n, T, n_slices, 1.0 / (hc * d), cfg.rms_norm_eps, cfg.rms_norm_eps,
+        y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps, cfg.rms_norm_eps, N_SLICES=n_slices,
         D=d, BLOCK_D=block, HC=hc, MIX=mix, ITERS=cfg.hc_sinkhorn_iters, HC_EPS=cfg.hc_eps,
         num_warps=8 if block >= 2048 else 4, **pdl)
     return out, y, post_n, comb_n

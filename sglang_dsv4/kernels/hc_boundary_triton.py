@@ -71,10 +71,11 @@ def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartSq,
 
 @triton.jit
 def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
-                      T, n_slices, inv_k, rms_eps, norm_eps,
+                      T, inv_k, rms_eps, norm_eps, N_SLICES: tl.constexpr,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr,
                       ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program t: token t's mixes from the ``n_slices`` partials (added in slice order) times the
+    """Program t: token t's mixes from the ``N_SLICES`` partials (added in slice order: unrolled, so
+    their loads are in flight together rather than one L2 round trip each) times the
     streams' RMS scale; pre (kept in registers) / post / comb as ``ops.hc_split_torch`` (sigmoids; a row softmax, then
     Sinkhorn from a column normalisation, ``ITERS`` columns); then
     Y[t] = rms_norm(sum_i pre_i HNew[t, i], Norm) (the sum in stream order)."""
@@ -87,7 +88,7 @@ def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
     a_post = tl.zeros([HC], dtype=tl.float32)
     a_comb = tl.zeros([HC, HC], dtype=tl.float32)
     sq = tl.zeros([1], dtype=tl.float32)
-    for s in range(n_slices):
+    for s in tl.static_range(N_SLICES):
         off = (s * T + t) * MIX
         a_pre += tl.load(PartMix + off + j)
         a_post += tl.load(PartMix + off + HC + j)
