@@ -492,9 +492,8 @@ class V4Model:
         a, s = ops.compressor_projections(x, w, "attn.compressor", step.positions, 128,
                                           xp.get("attn.compressor.wkv.weight"), xp.get("attn.compressor.wgate.weight"))
         seg, (state, slots, rope) = step.c128, segments
-        run = ops.online_softmax_pool(a, s, seg.tok, ops.c128_start(seg.carry, slots, state, a), seg.width)
-        pool.write(name, dst, ops.c128_finish(run, seg.completes, state, seg.store_slot, w, rope, self.cfg,
-                                              self.quant_sim))
+        pool.write(name, dst, ops.c128_entries(a, s, seg.tok, seg.width, seg.carry, slots, state, seg.completes,
+                                               seg.store_slot, w, rope, self.cfg, self.quant_sim))
 
     def _select(self, backend: AttentionBackend, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor,
                 hw: Tensor, visible: Tensor) -> Tensor:

@@ -570,6 +570,20 @@ def c128_start(carry: Tensor, slots: Tensor, state: Tensor, a: Tensor) -> Tensor
     return torch.where(carry[:, None, None], state[slots], _empty_pool_state(a))
 
 
+def c128_entries(a: Tensor, s: Tensor, tok: Tensor, width: int, carry: Tensor, slots: Tensor, state: Tensor,
+                 completes: Tensor, store_slot: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
+                 quant_sim: bool) -> Tensor:
+    """A ratio-128 layer's segments -> their finished entries [G, d], the slots' states updated in
+    place: ``online_softmax_pool`` from ``c128_start``, then ``c128_finish``. Opted in on the GPU,
+    two Triton launches (``kernels.c128_pool.entries``) instead of ~9 kernels. Decided here,
+    outside the compiled regions."""
+    if c128_pool.entries_supported(a, s, state, rope, cfg):
+        return c128_pool.entries(a, s, tok, carry, slots, state, completes, store_slot, width,
+                                 w["attn.compressor.norm.weight"], rope, cfg, quant_sim)
+    run = online_softmax_pool(a, s, tok, c128_start(carry, slots, state, a), width)
+    return c128_finish(run, completes, state, store_slot, w, rope, cfg, quant_sim)
+
+
 @on_gpu(rows={"run": (0,), "completes": (0,), "store_slot": (0,), "rope": (0,)})
 def c128_finish(run: Tensor, completes: Tensor, state: Tensor, store_slot: Tensor, w: dict[str, Tensor],
                 rope: Rope, cfg: V4Config, quant_sim: bool) -> Tensor:

@@ -13,6 +13,14 @@ the torch loop under the interpreter and on the GPU; shapes only decide the laun
 On by default on the GPU since 2026-12-05 (the flash8 server ran with it on the H200, every check
 passing; its GPU tests hold it to the loop within 1.9e-7 of the vectors' scale: its rounding is
 Triton's, the loop's Inductor's). ``SGLANG_DSV4_C128_POOL=loop`` keeps the torch loop.
+
+``entries`` goes further (opt-in, ``SGLANG_DSV4_C128_ENTRIES_KERNEL=1``, until its GPU test has
+run): the layer's whole compressor after its projections in two launches, where the pooling
+launch sat between ``ops.c128_start``'s region and ``ops.c128_finish``'s ~7 kernels (the state
+write, the division, norm, RoPE, FP8 QAT). One program a segment starts from its slot's state,
+pools, keeps its state and finishes its entry (``c4_entries_triton.finish_entry``, the C4
+kernel's finishing); a second launch writes the slots' states (a request's last segment writes
+the row its first one read).
 """
 
 from __future__ import annotations
@@ -21,11 +29,15 @@ import os
 
 import torch
 
+from ..config import V4Config
+from .c4_entries import _dims_ok
 from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
 
 ENABLED = os.environ.get("SGLANG_DSV4_C128_POOL", "kernel") == "kernel"
+# opt-in until its GPU test has run; read per call
+ENTRIES = os.environ.get("SGLANG_DSV4_C128_ENTRIES_KERNEL", "0") == "1"
 MAX_BLOCK_D = 128  # dims a program holds (three float32 vectors of state)
 
 
@@ -63,4 +75,56 @@ def pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width: int) -> Tensor
     return out
 
 
-__all__ = ["pool", "preferred", "supported"]
+def entries_supported(a: Tensor, s: Tensor, state: Tensor, rope: tuple[Tensor, Tensor], cfg: V4Config) -> bool:
+    """Whether ``entries`` takes these operands: switched on (``SGLANG_DSV4_C128_ENTRIES_KERNEL=1``);
+    float32 rows a, s [T, d] and states [slots, 3, d] with contiguous dims (any other strides); a
+    rotation table (cos, sin) with contiguous dims; the main compressor's widths (``c4_entries._dims_ok``);
+    a CUDA tensor (or the interpreter)."""
+    if not ENTRIES or not (a.dtype == s.dtype == state.dtype == torch.float32):
+        return False
+    if a.dim() != 2 or s.shape != a.shape or state.dim() != 3 or state.shape[1:] != (3, a.shape[1]):
+        return False
+    cos, sin = rope
+    if a.stride(1) != 1 or s.stride(1) != 1 or state.stride(2) != 1 or cos.dim() != 2 or sin.shape != cos.shape:
+        return False
+    if cos.stride(1) != 1 or sin.stride(1) != 1:
+        return False
+    return _dims_ok(a.shape[1], 2 * cos.shape[1], cfg.nope_head_dim, False) and runs_on(a, "c128_pool_triton")
+
+
+@torch.compiler.disable  # kernel launches, never traced
+def entries(a: Tensor, s: Tensor, tok: Tensor, carry: Tensor, slots: Tensor, state: Tensor, completes: Tensor,
+            store_slot: Tensor, width: int, norm: Tensor, rope: tuple[Tensor, Tensor], cfg: V4Config,
+            quant_sim: bool) -> Tensor:
+    """``ops.c128_finish(ops.online_softmax_pool(a, s, tok, ops.c128_start(carry, slots, state, a), width),
+    completes, state, store_slot, ...)``: each segment g's finished entry [G, d]; ``state``
+    [slots, 3, d] (a layer's view) takes each segment's state at ``store_slot`` in place (empty
+    where it ``completes`` its group). ``norm``: the compressor's norm weight; ``rope`` (cos, sin
+    [G, rope_dim / 2]) each segment's rotation at its group's first position."""
+    from .c128_pool_triton import c128_entries_kernel, c128_state_write_kernel
+
+    G, width_max = tok.shape
+    d = a.shape[1]
+    cos, sin = rope
+    if (state.shape[1:] != (3, d) or width_max < width or not (carry.shape == slots.shape == completes.shape
+                                                                == store_slot.shape == (G,)) or cos.shape[0] != G):
+        raise ValueError(f"c128_entries: rows {tuple(a.shape)}, tokens {tuple(tok.shape)}, state {tuple(state.shape)}, "
+                         f"segments {tuple(carry.shape)}, rope {tuple(cos.shape)}, width {width}")
+    out = torch.empty(G, d, dtype=torch.float32, device=a.device)
+    if G == 0:
+        return out
+    run = torch.empty(G, 3, d, dtype=torch.float32, device=a.device)
+    tok, carry, slots, completes, store_slot = (t.contiguous() for t in (tok, carry, slots, completes, store_slot))
+    block = pow2(d)
+    pdl = pdl_options(a)
+    c128_entries_kernel[(G,)](
+        a, s, tok, state, slots, carry, norm.contiguous(), cos, sin, run, out,
+        width, a.stride(0), s.stride(0), tok.stride(0), state.stride(0), state.stride(1), cos.stride(0),
+        sin.stride(0), cfg.rms_norm_eps, D=d, BLOCK_D=block, ROPE=2 * cos.shape[1], NOPE=cfg.nope_head_dim,
+        QUANT=quant_sim, num_warps=4, **pdl)
+    c128_state_write_kernel[(G,)](run, state, store_slot, completes, state.stride(0), state.stride(1), D=d,
+                                  BLOCK_D=block, num_warps=4, **pdl)
+    return out
+
+
+__all__ = ["ENTRIES", "entries", "entries_supported", "pool", "preferred", "supported"]

@@ -1,9 +1,29 @@
-"""The Triton kernel of ``c128_pool.pool`` (imported on first use, as ``index_triton``)."""
+"""The Triton kernels of ``c128_pool.pool`` and ``c128_pool.entries`` (imported on first use, as
+``index_triton``)."""
 
 import triton
 import triton.language as tl
 
+from .c4_entries_triton import finish_entry
 from .pdl_triton import await_predecessor
+
+
+@triton.jit
+def _absorb(A, S, Tok, g, m, total, acc, cols, inside, width, a_stride, s_stride, tok_stride):
+    """Segment g's online-softmax state (max, sum, weighted sum over dims ``cols``) through its
+    positions in order: ``ops._absorb_position``'s arithmetic, one position at a time."""
+    for i in range(width):
+        t = tl.load(Tok + g * tok_stride + i)
+        if t >= 0:  # -1: past the segment's end, the state as it was
+            ai = tl.load(A + t * a_stride + cols, mask=inside)
+            si = tl.load(S + t * s_stride + cols, mask=inside)
+            m_new = tl.maximum(m, si)
+            c_old = tl.exp(m - m_new)
+            c_new = tl.exp(si - m_new)
+            total = total * c_old + c_new
+            acc = acc * c_old + ai * c_new
+            m = m_new
+    return m, total, acc
 
 
 @triton.jit
@@ -19,18 +39,62 @@ def c128_pool_kernel(A, S, Tok, State, Out, width, d, a_stride, s_stride, tok_st
     m = tl.load(base, mask=inside)
     total = tl.load(base + d, mask=inside)
     acc = tl.load(base + 2 * d, mask=inside)
-    for i in range(width):
-        t = tl.load(Tok + g * tok_stride + i)
-        if t >= 0:  # -1: past the segment's end, the state as it was
-            ai = tl.load(A + t * a_stride + cols, mask=inside)
-            si = tl.load(S + t * s_stride + cols, mask=inside)
-            m_new = tl.maximum(m, si)
-            c_old = tl.exp(m - m_new)
-            c_new = tl.exp(si - m_new)
-            total = total * c_old + c_new
-            acc = acc * c_old + ai * c_new
-            m = m_new
+    m, total, acc = _absorb(A, S, Tok, g, m, total, acc, cols, inside, width, a_stride, s_stride, tok_stride)
     out = Out + g * 3 * d + cols
     tl.store(out, m, mask=inside)
     tl.store(out + d, total, mask=inside)
     tl.store(out + 2 * d, acc, mask=inside)
+
+
+@triton.jit(do_not_specialize=["width", "a_stride", "s_stride", "tok_stride", "st_slot", "st_row", "cos_stride",
+                               "sin_stride"])
+def c128_entries_kernel(A, S, Tok, State, Slots, Carry, Norm, Cos, Sin, Run, Out,
+                        width, a_stride, s_stride, tok_stride, st_slot, st_row, cos_stride, sin_stride, eps,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr, NOPE: tl.constexpr,
+                        QUANT: tl.constexpr, PDL: tl.constexpr = False):
+    """Program g: segment g from its start state (row ``Slots[g]`` of ``State`` [slots, 3, D] where
+    ``Carry[g]``, else empty: ``ops.c128_start``) through its positions in order (``c128_pool_kernel``'s
+    arithmetic) to its state, stored to ``Run`` [G, 3, D], and its pooled entry finished
+    (``ops.finish_entries``, the main compressor's) to ``Out`` [G, D]. The slot states are written
+    by the next launch: a request's later segment writes the row its first one reads."""
+    await_predecessor(PDL)
+    g = tl.program_id(axis=0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)
+    inside = c < D
+    carry = tl.load(Carry + g) != 0
+    slot = tl.load(Slots + g).to(tl.int64)
+    base = State + slot * st_slot + c
+    m = tl.load(base, mask=inside & carry, other=float("-inf"))
+    total = tl.load(base + st_row, mask=inside & carry, other=0.0)
+    acc = tl.load(base + 2 * st_row, mask=inside & carry, other=0.0)
+    m, total, acc = _absorb(A, S, Tok, g, m, total, acc, c, inside, width, a_stride, s_stride, tok_stride)
+    run = Run + g * 3 * D + c
+    tl.store(run, m, mask=inside)
+    tl.store(run + D, total, mask=inside)
+    tl.store(run + 2 * D, acc, mask=inside)
+    pooled = tl.where(inside, acc / total, 0.0)
+    y = finish_entry(pooled, Norm, Cos, Sin, g, cos_stride, sin_stride, eps, D, BLOCK_D, ROPE, NOPE, False, QUANT,
+                     1, 1.0)
+    tl.store(Out + g * D + c, y, mask=inside)
+
+
+@triton.jit(do_not_specialize=["st_slot", "st_row"])
+def c128_state_write_kernel(Run, State, StoreSlot, Completes, st_slot, st_row, D: tl.constexpr,
+                            BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """Program g: row ``StoreSlot[g]`` of ``State`` takes segment g's state from ``Run``, or the
+    empty state (max -inf, sums 0) where the segment completed its group (``ops.c128_finish``'s
+    write)."""
+    await_predecessor(PDL)
+    g = tl.program_id(axis=0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)
+    inside = c < D
+    done = tl.load(Completes + g) != 0
+    slot = tl.load(StoreSlot + g).to(tl.int64)
+    run = Run + g * 3 * D + c
+    m = tl.where(done, float("-inf"), tl.load(run, mask=inside))
+    total = tl.where(done, 0.0, tl.load(run + D, mask=inside))
+    acc = tl.where(done, 0.0, tl.load(run + 2 * D, mask=inside))
+    base = State + slot * st_slot + c
+    tl.store(base, m, mask=inside)
+    tl.store(base + st_row, total, mask=inside)
+    tl.store(base + 2 * st_row, acc, mask=inside)

@@ -71,6 +71,51 @@ def _hadamard(y, D: tl.constexpr, LOG2_D: tl.constexpr, SCALE: tl.constexpr):
     return y * SCALE
 
 
+@triton.jit
+def finish_entry(pooled, Norm, Cos, Sin, row, cos_stride, sin_stride, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 ROPE: tl.constexpr, NOPE: tl.constexpr, IS_INDEXER: tl.constexpr, QUANT: tl.constexpr,
+                 LOG2_D: tl.constexpr, HAD_SCALE: tl.constexpr):
+    """``ops.finish_entries`` of one pooled entry [BLOCK_D] (lanes past D unused): RMS norm by
+    ``Norm``, RoPE of the last ROPE dims (interleaved pairs) at ``row`` of ``Cos`` / ``Sin`` (float64,
+    used in fp32), then FP8 QAT of the first NOPE dims in blocks of 64 (main, QUANT) or the Hadamard
+    rotation and FP4 QAT in blocks of 32 (indexer)."""
+    c = tl.arange(0, BLOCK_D)
+    inside = c < D
+    # RMS norm
+    ms = tl.sum(pooled * pooled, axis=0) / D
+    w = tl.load(Norm + c, mask=inside, other=0.0).to(tl.float32)
+    y = pooled * tl.rsqrt(ms + eps) * w
+
+    # RoPE of the last ROPE dims: pairs (2i, 2i + 1), i >= (D - ROPE) / 2
+    HALF: tl.constexpr = BLOCK_D // 2
+    OFF: tl.constexpr = (D - ROPE) // 2
+    y2 = tl.reshape(y, (HALF, 2))
+    k = tl.arange(0, 2)[None, :]
+    re = tl.sum(tl.where(k == 0, y2, 0.0), axis=1)
+    im = tl.sum(tl.where(k == 1, y2, 0.0), axis=1)
+    i = tl.arange(0, HALF)
+    rot = (i >= OFF) & (i < D // 2)
+    j = tl.where(rot, i - OFF, 0)
+    cos = tl.load(Cos + row * cos_stride + j, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + row * sin_stride + j, mask=rot, other=0.0).to(tl.float32)
+    out_re = re * cos - im * sin
+    out_im = re * sin + im * cos
+    y2 = tl.where(rot[:, None], tl.where(k == 0, out_re[:, None], out_im[:, None]), y2)
+    y = tl.reshape(y2, (BLOCK_D,))
+
+    if IS_INDEXER:  # D a power of two: BLOCK_D == D
+        y = _hadamard(y, BLOCK_D, LOG2_D, HAD_SCALE)
+        if QUANT:
+            y = tl.reshape(_qat_blocks(tl.reshape(y, (BLOCK_D // 32, 32)), 6.0, FP4_FLOOR, 1, 0), (BLOCK_D,))
+    else:
+        if QUANT:  # FP8 the nope dims (NOPE a multiple of 64), the rope dims as they are
+            yb = tl.reshape(y, (BLOCK_D // 64, 64))
+            q = _qat_blocks(yb, 448.0, FP8_FLOOR, 3, -6)
+            yb = tl.where(tl.arange(0, BLOCK_D // 64)[:, None] < NOPE // 64, q, yb)
+            y = tl.reshape(yb, (BLOCK_D,))
+    return y
+
+
 @triton.jit(do_not_specialize=["T", "n_prev", "a_stride", "s_stride", "sa_slot", "sa_row", "ss_slot", "ss_row",
                                "idx_stride", "cos_stride", "sin_stride"])
 def c4_entries_kernel(A, S, StateA, StateS, Slots, Idx, Norm, Cos, Sin, Out,
@@ -116,38 +161,8 @@ def c4_entries_kernel(A, S, StateA, StateS, Slots, Idx, Norm, Cos, Sin, Out,
     p = ex / tl.sum(ex, axis=0)[None, :]
     pooled = tl.sum(p * a, axis=0)
 
-    # RMS norm
-    ms = tl.sum(pooled * pooled, axis=0) / D
-    w = tl.load(Norm + c, mask=inside, other=0.0).to(tl.float32)
-    y = pooled * tl.rsqrt(ms + eps) * w
-
-    # RoPE of the last ROPE dims: pairs (2i, 2i + 1), i >= (D - ROPE) / 2
-    HALF: tl.constexpr = BLOCK_D // 2
-    OFF: tl.constexpr = (D - ROPE) // 2
-    y2 = tl.reshape(y, (HALF, 2))
-    k = tl.arange(0, 2)[None, :]
-    re = tl.sum(tl.where(k == 0, y2, 0.0), axis=1)
-    im = tl.sum(tl.where(k == 1, y2, 0.0), axis=1)
-    i = tl.arange(0, HALF)
-    rot = (i >= OFF) & (i < D // 2)
-    j = tl.where(rot, i - OFF, 0)
-    cos = tl.load(Cos + t * cos_stride + j, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(Sin + t * sin_stride + j, mask=rot, other=0.0).to(tl.float32)
-    out_re = re * cos - im * sin
-    out_im = re * sin + im * cos
-    y2 = tl.where(rot[:, None], tl.where(k == 0, out_re[:, None], out_im[:, None]), y2)
-    y = tl.reshape(y2, (BLOCK_D,))
-
-    if IS_INDEXER:  # D a power of two: BLOCK_D == D
-        y = _hadamard(y, BLOCK_D, LOG2_D, HAD_SCALE)
-        if QUANT:
-            y = tl.reshape(_qat_blocks(tl.reshape(y, (BLOCK_D // 32, 32)), 6.0, FP4_FLOOR, 1, 0), (BLOCK_D,))
-    else:
-        if QUANT:  # FP8 the nope dims (NOPE a multiple of 64), the rope dims as they are
-            yb = tl.reshape(y, (BLOCK_D // 64, 64))
-            q = _qat_blocks(yb, 448.0, FP8_FLOOR, 3, -6)
-            yb = tl.where(tl.arange(0, BLOCK_D // 64)[:, None] < NOPE // 64, q, yb)
-            y = tl.reshape(yb, (BLOCK_D,))
+    y = finish_entry(pooled, Norm, Cos, Sin, t, cos_stride, sin_stride, eps, D, BLOCK_D, ROPE, NOPE, IS_INDEXER,
+                     QUANT, LOG2_D, HAD_SCALE)
     tl.store(Out + t * D + c, y, mask=inside)
 
 

@@ -67,15 +67,18 @@ def test_a_segment_continued_across_calls_gives_the_same_bits_and_replays_from_a
     assert torch.equal(out, c128_pool.pool(a, s, tok, state, 128))
 
 
-def test_a_model_with_the_kernel_opted_in_follows_the_loop(tiny_gpu, serving_rows, monkeypatch):
-    """Prefill across ratio-128 group boundaries, then decode, with and without the kernel."""
+@pytest.mark.parametrize("switch", ["ENABLED", "ENTRIES"])
+def test_a_model_with_the_kernel_opted_in_follows_the_loop(switch, tiny_gpu, serving_rows, monkeypatch):
+    """Prefill across ratio-128 group boundaries, then decode, with and without the kernel (the
+    pooling alone: ``ENABLED``; the compressor's two launches: ``ENTRIES``, the pooling on)."""
     cfg, w = tiny_gpu
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, cfg.vocab_size, (300,), generator=g).to(DEV)
     tail = torch.randint(0, cfg.vocab_size, (8,), generator=g).to(DEV)
 
     def run(kernel: bool):
-        monkeypatch.setattr(c128_pool, "ENABLED", kernel)
+        monkeypatch.setattr(c128_pool, "ENABLED", kernel or switch == "ENTRIES")
+        monkeypatch.setattr(c128_pool, "ENTRIES", kernel and switch == "ENTRIES")
         model = V4Model(cfg, w)
         srv = serving_rows(cfg, 2)
         srv.slots(0, 0, 300)
@@ -90,3 +93,48 @@ def test_a_model_with_the_kernel_opted_in_follows_the_loop(tiny_gpu, serving_row
     err = (kernel - loop).norm(dim=-1) / loop.norm(dim=-1)
     assert err.max() < 1e-3, f"max rel err {err.max():.3g}"
     assert (kernel.argmax(-1) == loop.argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_the_entries_kernel_gives_the_torch_ops_entries_and_states(quant, monkeypatch):
+    """``c128_pool.entries`` (opt-in) against ``c128_start`` + the pooling + ``c128_finish`` at
+    V4-Flash's width: 64 decode requests (some completing a group) and chunks across group
+    boundaries (a request's first segment reads the state its last one writes back)."""
+    from sglang_dsv4.core.step import _c128_segments
+    from sglang_dsv4.tiny import preset_config
+
+    cfg = preset_config("tiny")
+    d = cfg.head_dim
+    g = torch.Generator().manual_seed(5)
+    starts = torch.cat((torch.randint(0, 5000, (64,), generator=g), torch.tensor([100, 250, 0])))
+    starts[:8] = 127  # decode tokens completing a group
+    lens = torch.cat((torch.ones(64, dtype=torch.long), torch.tensor([200, 6, 130])))
+    row0 = torch.cumsum(torch.cat((torch.zeros(1, dtype=torch.long), lens)), 0)[:-1]
+    n_slots = lens.numel() + 3
+    slots = torch.randperm(n_slots - 1, generator=g)[:lens.numel()]
+    seg = _c128_segments(starts, lens, row0, slots, n_slots - 1)
+    seg_slots = slots[torch.searchsorted(row0, seg.last_tok, right=True) - 1]
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    T = int(lens.sum())
+    a = dev(torch.randn(T, 2 * d, generator=g) * 2)[:, :d]
+    s = dev(torch.randn(T, d, generator=g) * 3)
+    state = dev(torch.randn(n_slots, 2, 3, d, generator=g))[:, 1]
+    state[:, 1] = state[:, 1].abs() + 0.5
+    w = {"attn.compressor.norm.weight": dev(torch.rand(d, generator=g) + 0.5)}
+    rope = ops.rope_at(dev(seg.first_pos), ops.layer_inv_freqs(cfg, 128, DEV))
+    args = (dev(seg.tok), seg.width, dev(seg.carry), dev(seg_slots))
+    tail = (dev(seg.completes), dev(seg.store_slot), w, rope, cfg, quant)
+    want_state, got_state = state.clone(), state.clone()
+    monkeypatch.setattr(c128_pool, "ENTRIES", False)
+    want = ops.c128_entries(a, s, *args, want_state, *tail)
+    monkeypatch.setattr(c128_pool, "ENTRIES", True)
+    assert c128_pool.entries_supported(a, s, state, rope, cfg)
+    got = ops.c128_entries(a, s, *args, got_state, *tail)
+    scale = want_state[:-1].abs().nan_to_num(0.0, 0.0, 0.0).amax(-1, keepdim=True) + 1e-30
+    assert float(((got_state[:-1] - want_state[:-1]).abs() / scale).nan_to_num(0.0).max()) < 1e-6
+    err = (got - want).abs() / want.abs().amax(-1, keepdim=True)
+    coded = cfg.nope_head_dim if quant else 0
+    assert float(err[:, coded:].max()) < 2e-6
+    if quant:
+        diff = got[:, :coded] != want[:, :coded]
+        assert int(diff.sum()) <= max(2, 1e-3 * diff.numel()) and float(err[:, :coded].max()) <= 0.5
