@@ -1,6 +1,6 @@
 """A ratio-4 compressor's entries at decode shapes on the GPU: the compiled torch region
-(``ops.c4_entries_torch``, what the step runs by default) against the two-launch Triton kernels
-(``kernels.c4_entries``, opt-in ``SGLANG_DSV4_C4_ENTRIES_KERNEL=1``), V4-Flash widths, quantisation
+(``ops.c4_entries_torch``, what the step ran before session 35) against the two-launch Triton kernels
+(``kernels.c4_entries``, the default since session 35), V4-Flash widths, quantisation
 simulated, side by side.
 
     python -m benchmarks.bench_c4_entries [--batches 1,16,64,256] [--reps 50] [--warps 4,8]

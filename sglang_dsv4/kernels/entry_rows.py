@@ -8,7 +8,8 @@ gather-and-count one 17 us a call at batch 64 on an H100 (session 33's flash43 c
 a 22 ms step) for a few thousand integers. Here one program per token does the lookup, the
 padding and the count: the same integers (tested against the torch region under the
 interpreter; ``tests/kernels/test_entry_rows_gpu.py`` on the GPU). Shapes only decide the
-launch (CUDA graphs). Opt-in (``SGLANG_DSV4_ENTRY_ROWS_KERNEL=1``) until that GPU test has run.
+launch (CUDA graphs). Opt-in (``SGLANG_DSV4_ENTRY_ROWS_KERNEL=1``): the GPU test passed on an H200
+(session 35); a step with it alone is not yet timed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .triton_support import pdl_options, runs_on
 
 Tensor = torch.Tensor
 BLOCK = 512  # indices a loop iteration reads (V4's top-k: one iteration)
-# opt-in until its GPU test has run (session 33 had no device time left); read per call
+# opt-in until a step has timed it (module docstring); read per call
 ENABLED = os.environ.get("SGLANG_DSV4_ENTRY_ROWS_KERNEL", "0") == "1"
 
 

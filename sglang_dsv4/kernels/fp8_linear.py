@@ -41,7 +41,7 @@ Tensor = torch.Tensor
 # attn.wo_a held fp8 in the fp8 weight mode and run by ``fp8_grouped_linear`` (read by the loader:
 # ``checkpoint.loader.keeps_fp8``). Its bf16 einsum reads twice the checkpoint's bytes: 31 us a
 # layer at batch 64 on an H100 (session 33's flash43 census), against 11 us for its fp8 bytes.
-# Opt-in until its GPU test has run.
+# Opt-in until a step has timed it (its GPU tests passed on an H200, session 35).
 GROUPED_WO_A = os.environ.get("SGLANG_DSV4_WO_A_FP8", "0") == "1"
 ACT_GROUP = 128          # activation quantisation group along K (= the weight block)
 ACT_AMAX_FLOOR = 1e-4    # [REF] act_quant's amax clamp

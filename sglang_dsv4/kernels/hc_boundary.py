@@ -18,8 +18,12 @@ The math is the torch ops' in fp32 (another summation order for the mixes' dot p
 sums of squares: slices of the hidden dims, as SGLang's kernel slices its K); each row's bits depend
 on the width alone, not the batch. Tested against the torch ops under the interpreter
 (``tests/kernels/test_hc_boundary.py``) and on the GPU (``tests/kernels/test_hc_boundary_gpu.py``).
-Opt-in (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``, ``bench_decode --switches hc_boundary_kernel``) until
-that GPU test has run and a step has measured it.
+Opt-in (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``, ``bench_decode --switches hc_boundary_kernel``), and
+not worth switching on yet: on an H200 (session 35, ``benchmarks/bench_hc_boundary.py``, graph
+replay) its two launches took 30.8 / 33.2 / 95.9 us a boundary at batch 1 / 64 / 256 against the
+default path's four at 13.7 / 21.3 / 48.7 (0.44-0.64x), the same values to 7e-7 and each row the
+same bits alone as in the batch. Where the time goes (the finishing kernel's 8 warps over a [4, 4]
+Sinkhorn, the fp32 FMA dot, the streams' tiles reloaded per output stream) is for a profile to say.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ..config import V4Config
 from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
-# opt-in until its GPU test has run; read per call
+# opt-in: slower than the default path so far (module docstring); read per call
 ENABLED = os.environ.get("SGLANG_DSV4_HC_BOUNDARY_KERNEL", "0") == "1"
 BLOCK_M = 16   # rows a launch-1 program takes (a dot's least M); fixed, so a row's bits are the batch's
 BLOCK_D = 64   # the dot's K tile within a stream

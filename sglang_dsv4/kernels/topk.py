@@ -36,8 +36,8 @@ Tensor = torch.Tensor
 # 28.3 / 59.2 us at 1 / 64 / 256 rows (torch.topk over the keys 70.2 / 86.1 / 178.8; bitonic
 # 56.8 / 57.4 / 118.1; radix with chunk 8192 52-110)
 MAX_CHUNK = 4096
-# rows wider than a chunk split (module docstring); opt-in until its GPU test has run (session 33
-# had no device time left): off, they keep torch.topk
+# rows wider than a chunk split (module docstring); opt-in: its GPU tests passed on an H200 (session
+# 35), its step at 64K is not yet timed; off, they keep torch.topk
 SPLIT = os.environ.get("SGLANG_DSV4_TOPK_SPLIT", "0") == "1"
 
 

@@ -74,8 +74,14 @@ def test_the_kernel_replays_from_a_graph(monkeypatch):
 
 
 def test_a_model_with_the_kernel_gives_its_logits(tiny_gpu, monkeypatch):
-    """Prefill and decode of the tiny model: the logits of the default path to float rounding
-    (and a rare bin flip of the simulated fp8 / fp4 quantisation)."""
+    """Prefill and decode of the tiny model: the logits of the default path, as far as this model
+    lets rounding-level differences through. Its bf16 matrices round x, and a near-tie of the
+    router's top-2 among 16 random experts then flips for a token: that row moves, and every later
+    row attending to it (0.4-0.6% of the logits' norm from such a row on, on the H200 in session 35
+    and on the CPU with bf16 matrices, interpreted; 0.3-0.6% there without the simulated
+    quantisation; the kernel's own outputs within 7e-7 of the default's). The fp32 micro model,
+    interpreted (``test_hc_boundary.py``), holds the model to 1e-5; here the bounds are those of the
+    step's other rounding-level comparisons (``test_step_gpu.py``)."""
     from sglang_dsv4.core.cache import V4Cache
     from sglang_dsv4.core.model import V4Model
 
@@ -91,4 +97,5 @@ def test_a_model_with_the_kernel_gives_its_logits(tiny_gpu, monkeypatch):
         out += [model.forward(cache, [req], [ids[p:p + 1]])[0] for p in range(33, 40)]
         logits.append(torch.cat(out).float())
     err = (logits[1] - logits[0]).norm(dim=-1) / logits[0].norm(dim=-1)
-    assert float(err.median()) < 1e-4 and float(err.max()) < 5e-3, err
+    assert float(err.median()) < 1e-2 and float(err.max()) < 5e-2, err
+    assert (logits[1].argmax(-1) == logits[0].argmax(-1)).float().mean() > 0.9
