@@ -8,7 +8,9 @@ Per batch and kind (``post``: an attention output expanded, then the next input;
 first sublayer's input alone): microseconds per call of each path (captured in a CUDA graph and
 replayed, as in a graphed step, ``bench_fp8_gemm.time_us``), kernel launches per call (torch
 profiler), the speed-up, the largest difference of the outputs relative to their largest value,
-and whether a row's kernel result is the same bits alone as in the batch. The floor: the bytes a
+and whether a row's kernel result is the same bits alone as in the batch; then each path's kernels
+with their GPU time in one eager call (profiler; an eager launch runs longer than a replayed
+one, the split between kernels is the point). The floor: the bytes a
 call must move (the streams read, the output read and the new streams written where it expands
 one, the mixing matrix) over the copy bandwidth measured in the same run. A harness: it decides
 the switch's default; the package never imports it.
@@ -22,7 +24,7 @@ import torch
 
 from benchmarks.bench_decode import copy_bandwidth
 from benchmarks.bench_fp8_gemm import time_us
-from benchmarks.bench_hc_pre import _launches, mixer
+from benchmarks.bench_hc_pre import _launches, kernel_times, mixer
 from sglang_dsv4.core import ops
 from sglang_dsv4.kernels import hc_boundary, hc_split
 from sglang_dsv4.tiny import preset_config
@@ -45,6 +47,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
     fn, base, scale = mixer(hc, D, g)
+    profiles: list[str] = []
     norm = torch.rand(D, generator=g, device="cuda") + 0.5
     for B in [int(b) for b in args.batches.split(",")]:
         h = torch.randn(B, hc, D, generator=g, device="cuda")
@@ -66,6 +69,11 @@ def main() -> None:
             moved = h.numel() * 4 + fn.numel() * 4 + (f.numel() * 4 + h.numel() * 4 if done else 0)
             print(f"| {B} | {kind} | {t_def:.1f} | {n_def} | {t_new:.1f} | {n_new} | {t_def / t_new:.2f}x | "
                   f"{moved / bw * 1e6:.1f} | {diff:.1e} | {'yes' if same else 'no'} |")
+            for name, on in (("default", False), ("kernel", True)):
+                split = ", ".join(f"{k[:48]} {us:.1f}" for k, us in kernel_times(lambda: call(on)))
+                profiles.append(f"| {B} | {kind} | {name} | {split} |")
+    print("\n| batch | kind | path | kernels, us each (one eager call, profiler) |\n|---|---|---|---|")
+    print("\n".join(profiles))
     hc_boundary.ENABLED = False
 
 

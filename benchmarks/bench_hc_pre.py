@@ -24,14 +24,20 @@ from sglang_dsv4.kernels import hc_split
 from sglang_dsv4.tiny import preset_config
 
 
-def _launches(fn) -> int:
-    """Kernel launches of one call of ``fn`` (torch profiler)."""
+def kernel_times(fn) -> list[tuple[str, float]]:
+    """(kernel name, GPU us) of each launch of one eager call of ``fn`` (torch profiler)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == cuda]
+
+
+def _launches(fn) -> int:
+    """Kernel launches of one call of ``fn`` (torch profiler)."""
+    return len(kernel_times(fn))
 
 
 def mixer(hc: int, D: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
