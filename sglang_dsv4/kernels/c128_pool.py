@@ -16,8 +16,8 @@ Triton's, the loop's Inductor's). ``SGLANG_DSV4_C128_POOL=loop`` keeps the torch
 
 ``entries`` goes further (opt-in, ``SGLANG_DSV4_C128_ENTRIES_KERNEL=1``, until a step has timed
 it; its GPU tests passed on an H200 in session 35): the layer's whole compressor after its
-projections in two launches, where the pooling launch sat between ``ops.c128_start``'s region and ``ops.c128_finish``'s ~7 kernels (the state
-write, the division, norm, RoPE, FP8 QAT). One program a segment starts from its slot's state,
+projections in two launches, where the pooling launch sat between ``ops.c128_start``'s region
+and ``ops.c128_finish``'s ~7 kernels (the state write, the division, norm, RoPE, FP8 QAT). One program a segment starts from its slot's state,
 pools, keeps its state and finishes its entry (``c4_entries_triton.finish_entry``, the C4
 kernel's finishing); a second launch writes the slots' states (a request's last segment writes
 the row its first one read).

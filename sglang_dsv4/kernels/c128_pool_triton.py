@@ -9,6 +9,24 @@ from .pdl_triton import await_predecessor
 
 
 @triton.jit
+def _load_state(base, row, mask):
+    """An online-softmax state's three vectors (max, sum, weighted sum) at ``base``, ``row`` apart;
+    lanes outside ``mask``: the empty state (max -inf, sums 0)."""
+    m = tl.load(base, mask=mask, other=float("-inf"))
+    total = tl.load(base + row, mask=mask, other=0.0)
+    acc = tl.load(base + 2 * row, mask=mask, other=0.0)
+    return m, total, acc
+
+
+@triton.jit
+def _store_state(base, row, m, total, acc, mask):
+    """``_load_state``'s inverse: the three vectors to ``base``, ``row`` apart, lanes in ``mask``."""
+    tl.store(base, m, mask=mask)
+    tl.store(base + row, total, mask=mask)
+    tl.store(base + 2 * row, acc, mask=mask)
+
+
+@triton.jit
 def _absorb(A, S, Tok, g, m, total, acc, cols, inside, width, a_stride, s_stride, tok_stride):
     """Segment g's online-softmax state (max, sum, weighted sum over dims ``cols``) through its
     positions in order: ``ops._absorb_position``'s arithmetic, one position at a time."""
@@ -35,15 +53,9 @@ def c128_pool_kernel(A, S, Tok, State, Out, width, d, a_stride, s_stride, tok_st
     g = tl.program_id(axis=0).to(tl.int64)
     cols = tl.program_id(axis=1) * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = cols < d
-    base = State + g * 3 * d + cols
-    m = tl.load(base, mask=inside)
-    total = tl.load(base + d, mask=inside)
-    acc = tl.load(base + 2 * d, mask=inside)
+    m, total, acc = _load_state(State + g * 3 * d + cols, d, inside)
     m, total, acc = _absorb(A, S, Tok, g, m, total, acc, cols, inside, width, a_stride, s_stride, tok_stride)
-    out = Out + g * 3 * d + cols
-    tl.store(out, m, mask=inside)
-    tl.store(out + d, total, mask=inside)
-    tl.store(out + 2 * d, acc, mask=inside)
+    _store_state(Out + g * 3 * d + cols, d, m, total, acc, inside)
 
 
 @triton.jit(do_not_specialize=["width", "a_stride", "s_stride", "tok_stride", "st_slot", "st_row", "cos_stride",
@@ -63,15 +75,9 @@ def c128_entries_kernel(A, S, Tok, State, Slots, Carry, Norm, Cos, Sin, Run, Out
     inside = c < D
     carry = tl.load(Carry + g) != 0
     slot = tl.load(Slots + g).to(tl.int64)
-    base = State + slot * st_slot + c
-    m = tl.load(base, mask=inside & carry, other=float("-inf"))
-    total = tl.load(base + st_row, mask=inside & carry, other=0.0)
-    acc = tl.load(base + 2 * st_row, mask=inside & carry, other=0.0)
+    m, total, acc = _load_state(State + slot * st_slot + c, st_row, inside & carry)  # else empty
     m, total, acc = _absorb(A, S, Tok, g, m, total, acc, c, inside, width, a_stride, s_stride, tok_stride)
-    run = Run + g * 3 * D + c
-    tl.store(run, m, mask=inside)
-    tl.store(run + D, total, mask=inside)
-    tl.store(run + 2 * D, acc, mask=inside)
+    _store_state(Run + g * 3 * D + c, D, m, total, acc, inside)
     pooled = tl.where(inside, acc / total, 0.0)
     y = finish_entry(pooled, Norm, Cos, Sin, g, cos_stride, sin_stride, eps, D, BLOCK_D, ROPE, NOPE, False, QUANT,
                      1, 1.0)
@@ -88,13 +94,7 @@ def c128_state_write_kernel(Run, State, StoreSlot, Completes, st_slot, st_row, D
     g = tl.program_id(axis=0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
     inside = c < D
-    done = tl.load(Completes + g) != 0
+    keep = tl.load(Completes + g) == 0  # a completed group's slot restarts from the empty state
     slot = tl.load(StoreSlot + g).to(tl.int64)
-    run = Run + g * 3 * D + c
-    m = tl.where(done, float("-inf"), tl.load(run, mask=inside))
-    total = tl.where(done, 0.0, tl.load(run + D, mask=inside))
-    acc = tl.where(done, 0.0, tl.load(run + 2 * D, mask=inside))
-    base = State + slot * st_slot + c
-    tl.store(base, m, mask=inside)
-    tl.store(base + st_row, total, mask=inside)
-    tl.store(base + 2 * st_row, acc, mask=inside)
+    m, total, acc = _load_state(Run + g * 3 * D + c, D, inside & keep)
+    _store_state(State + slot * st_slot + c, st_row, m, total, acc, inside)

@@ -56,8 +56,7 @@ def supported(h: Tensor, fn: Tensor, norm: Tensor | None, cfg: V4Config, f: Tens
     """Whether ``post_pre`` takes these operands: switched on (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``);
     fp32 streams [T, hc, D] and mixer [(2 + hc) * hc, hc * D] with unit column strides, hc a power
     of two; a norm weight [D]; the output ``f`` and its second part ``f_plus`` (if any) [T, D] with
-    unit column strides; a CUDA
-    tensor (or the interpreter)."""
+    unit column strides; a CUDA tensor (or the interpreter)."""
     if not ENABLED or norm is None:
         return False
     if h.dim() != 3 or h.dtype != torch.float32 or fn.dtype != torch.float32 or not h.is_contiguous():
@@ -106,7 +105,7 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     block = pow2(d)
     pre_finish_kernel[(T,)](
         part_mix, part_sq, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
-        y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps, cfg.rms_norm_eps, N_SLICES=n_slices,
+        y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps, N_SLICES=n_slices,
         D=d, BLOCK_D=block, HC=hc, MIX=mix, ITERS=cfg.hc_sinkhorn_iters, HC_EPS=cfg.hc_eps,
         num_warps=8 if block >= 2048 else 4, **pdl)
     return out, y, post_n, comb_n

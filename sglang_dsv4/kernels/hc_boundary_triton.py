@@ -71,13 +71,13 @@ def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartSq,
 
 @triton.jit
 def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
-                      T, inv_k, rms_eps, norm_eps, N_SLICES: tl.constexpr,
+                      T, inv_k, eps, N_SLICES: tl.constexpr,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr,
                       ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
     """Program t: token t's mixes from the ``N_SLICES`` partials (added in slice order: unrolled, so
-    their loads are in flight together rather than one L2 round trip each) times the
-    streams' RMS scale; pre (kept in registers) / post / comb as ``ops.hc_split_torch`` (sigmoids; a row softmax, then
-    Sinkhorn from a column normalisation, ``ITERS`` columns); then
+    their loads are in flight together rather than one L2 round trip each) times the streams' RMS
+    scale; pre (kept in registers) / post / comb as ``ops.hc_split_torch`` (sigmoids; a row softmax,
+    then Sinkhorn from a column normalisation, ``ITERS`` columns); then
     Y[t] = rms_norm(sum_i pre_i HNew[t, i], Norm) (the sum in stream order)."""
     await_predecessor(PDL)
     t = tl.program_id(0)
@@ -94,7 +94,7 @@ def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
         a_post += tl.load(PartMix + off + HC + j)
         a_comb += tl.load(PartMix + off + 2 * HC + jj * HC + kk)
         sq += tl.load(PartSq + s * T + t + tl.arange(0, 1))
-    rsqrt = tl.sum(1.0 / tl.sqrt(sq * inv_k + rms_eps), axis=0)
+    rsqrt = tl.sum(1.0 / tl.sqrt(sq * inv_k + eps), axis=0)
     s0 = tl.load(Scale + 0)
     s1 = tl.load(Scale + 1)
     s2 = tl.load(Scale + 2)
@@ -116,6 +116,6 @@ def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
     for i in tl.static_range(HC):
         p = tl.sum(tl.where(j == i, pre, 0.0), axis=0)
         y = y + p * tl.load(HNew + (t * HC + i) * D + d, mask=d_ok, other=0.0)
-    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + norm_eps)
+    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + eps)
     w = tl.load(Norm + d, mask=d_ok, other=0.0).to(tl.float32)
     tl.store(Y + t * D + d, y * r * w, mask=d_ok)
