@@ -35,6 +35,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--dim", type=int, default=4096, help="hidden size D (V4-Flash: 4096)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--variants", default="",
+                    help="launch shapes of the kernel to time besides its default, comma-separated "
+                         "SLICES/WARPS/PRECISION/BLOCK (hc_boundary.MAX_SLICES / FINISH_WARPS / PRECISION / "
+                         "FINISH_BLOCK; warps 0: the kernel's choice), e.g. 32/4/ieee/0,64/1/tf32x3/512")
     args = ap.parse_args()
     cfg = preset_config("flash8")
     hc, D = cfg.hc_mult, args.dim
@@ -74,7 +78,40 @@ def main() -> None:
                 profiles.append(f"| {B} | {kind} | {name} | {split} |")
     print("\n| batch | kind | path | kernels, us each (one eager call, profiler) |\n|---|---|---|---|")
     print("\n".join(profiles))
+    if args.variants:
+        variants(args, cfg, fn, base, scale, norm, g)
     hc_boundary.ENABLED = False
+
+
+def variants(args, cfg, fn, base, scale, norm, g) -> None:
+    """The kernel's launch shapes side by side (replayed us per call, ``post`` kind): slices of the
+    hidden dims for launch 1, warps for launch 2; the first column is the kernel's default shape."""
+    shapes = [(int(s), int(w) or None, p, int(b)) for s, w, p, b in (v.split("/") for v in args.variants.split(","))]
+    knobs = ("MAX_SLICES", "FINISH_WARPS", "PRECISION", "FINISH_BLOCK")
+    default = tuple(getattr(hc_boundary, k) for k in knobs)
+    hc, D = cfg.hc_mult, args.dim
+    print("\n| batch | " + " | ".join("/".join(str(x or 0) for x in v) + " us" for v in [default, *shapes])
+          + " | max diff of each |")
+    print("|---" * (len(shapes) + 3) + "|")
+    hc_boundary.ENABLED = True
+    for B in [int(b) for b in args.batches.split(",")]:
+        h = torch.randn(B, hc, D, generator=g, device="cuda")
+        done = ops.SublayerOutput(torch.randn(B, D, generator=g, device="cuda"),
+                                  torch.rand(B, hc, generator=g, device="cuda") * 2,
+                                  torch.softmax(torch.randn(B, hc, hc, generator=g, device="cuda"), -1))
+        times, diffs = [], []
+        hc_boundary.ENABLED = False
+        want = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+        hc_boundary.ENABLED = True
+        for shape in [default, *shapes]:
+            for k, v in zip(knobs, shape):
+                setattr(hc_boundary, k, v)
+            got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+            diffs.append(max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)))
+            times.append(time_us(lambda: ops.hc_boundary(h, done, fn, base, scale, cfg, norm), args.reps))
+        for k, v in zip(knobs, default):
+            setattr(hc_boundary, k, v)
+        print(f"| {B} | " + " | ".join(f"{t:.1f}" for t in times) + " | " + ", ".join(f"{e:.0e}" for e in diffs) + " |")
 
 
 if __name__ == "__main__":

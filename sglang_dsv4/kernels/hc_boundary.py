@@ -41,6 +41,13 @@ ENABLED = os.environ.get("SGLANG_DSV4_HC_BOUNDARY_KERNEL", "0") == "1"
 BLOCK_M = 16   # rows a launch-1 program takes (a dot's least M); fixed, so a row's bits are the batch's
 BLOCK_D = 64   # the dot's K tile within a stream
 MAX_SLICES = 32  # slices of the hidden dims launch 1 spreads over (fewer where D is narrow)
+# the mixes' dot: "ieee" (fp32 FMAs) or "tf32x3" (three TF32 tensor-core products, fp32-level
+# error; SGLang's hc_mix_stats on NVIDIA); a harness sweeps it
+PRECISION = "ieee"
+# launch 2's dims a program (0: the whole row, a program a token; else a program per token and
+# block of dims, four streams only, the norm from launch 1's Gram partials); a harness sweeps it
+FINISH_BLOCK = 0
+FINISH_WARPS: int | None = None  # launch 2's warps (None: 8 from a width of 2048, else 4); a harness sweeps it
 
 
 def slicing(d: int) -> tuple[int, int]:
@@ -78,7 +85,7 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     cfg, norm)`` of them. h [T, hc, D] fp32 contiguous; f, f_plus [T, D]; post [T, hc], comb
     [T, hc, hc] (the finished sublayer's); fn, scale, base, norm the next sublayer's mixer and
     input norm (``supported`` says which operands it takes)."""
-    from .hc_boundary_triton import post_mix_kernel, pre_finish_kernel
+    from .hc_boundary_triton import post_gram_kernel, post_mix_kernel, pre_finish_kernel, pre_finish_split_kernel
 
     T, hc, d = h.shape
     mix = (2 + hc) * hc
@@ -93,21 +100,28 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
         return out, y, post_n, comb_n
     if expand:
         post, comb = post.float().contiguous(), comb.float().contiguous()
+    split = FINISH_BLOCK > 0 and hc == 4
     part_mix = torch.empty(n_slices, T, mix, dtype=torch.float32, device=dev)
-    part_sq = torch.empty(n_slices, T, dtype=torch.float32, device=dev)
+    part_sq = torch.empty(n_slices, T, hc * hc if split else 1, dtype=torch.float32, device=dev)
     pdl = pdl_options(h)
-    post_mix_kernel[(-(-T // BLOCK_M), n_slices)](
-        f if expand else h, f_plus if f_plus is not None else h, h, post if expand else h, comb if expand else h,
-        out, fn, part_mix, part_sq, T, f.stride(0) if expand else 0,
-        f_plus.stride(0) if f_plus is not None else 0, fn.stride(0),
-        D=d, HC=hc, MIX=mix, MIX_PAD=max(16, pow2(mix)), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, D_BLOCKS=per,
-        POST=expand, PLUS=f_plus is not None, num_warps=4, **pdl)
+    operands = (f if expand else h, f_plus if f_plus is not None else h, h, post if expand else h,
+                comb if expand else h, out, fn, part_mix, part_sq, T, f.stride(0) if expand else 0,
+                f_plus.stride(0) if f_plus is not None else 0, fn.stride(0))
+    shape = dict(D=d, MIX=mix, MIX_PAD=max(16, pow2(mix)), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, D_BLOCKS=per,
+                 POST=expand, PLUS=f_plus is not None, PRECISION=PRECISION, num_warps=4, **pdl)
+    finish = (part_mix, part_sq, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
+              y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps)
+    if split:
+        post_gram_kernel[(-(-T // BLOCK_M), n_slices)](*operands, **shape)
+        pre_finish_split_kernel[(T, -(-d // FINISH_BLOCK))](
+            *finish, N_SLICES=n_slices, D=d, BLOCK_D=FINISH_BLOCK, MIX=mix, ITERS=cfg.hc_sinkhorn_iters,
+            HC_EPS=cfg.hc_eps, num_warps=FINISH_WARPS or 1, **pdl)
+        return out, y, post_n, comb_n
+    post_mix_kernel[(-(-T // BLOCK_M), n_slices)](*operands, HC=hc, **shape)
     block = pow2(d)
     pre_finish_kernel[(T,)](
-        part_mix, part_sq, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
-        y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps, N_SLICES=n_slices,
-        D=d, BLOCK_D=block, HC=hc, MIX=mix, ITERS=cfg.hc_sinkhorn_iters, HC_EPS=cfg.hc_eps,
-        num_warps=8 if block >= 2048 else 4, **pdl)
+        *finish, N_SLICES=n_slices, D=d, BLOCK_D=block, HC=hc, MIX=mix, ITERS=cfg.hc_sinkhorn_iters,
+        HC_EPS=cfg.hc_eps, num_warps=FINISH_WARPS or (8 if block >= 2048 else 4), **pdl)
     return out, y, post_n, comb_n
 
 

@@ -23,7 +23,8 @@ def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartSq,
                     T, f_stride, fp_stride, fn_stride,
                     D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
-                    POST: tl.constexpr, PLUS: tl.constexpr, PDL: tl.constexpr = False):
+                    POST: tl.constexpr, PLUS: tl.constexpr, PRECISION: tl.constexpr = "ieee",
+                    PDL: tl.constexpr = False):
     """Program (m, s): rows m * BLOCK_M.. and dims s * D_BLOCKS * BLOCK_D.. of each stream.
 
     With POST: h'[t, k] = Post[t, k] * (F[t] (+ FPlus[t])) + sum_j Comb[t, j, k] H[t, j] (the sum in
@@ -63,7 +64,7 @@ def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartSq,
                 hk = tl.load(H + (rows[:, None] * HC + k) * D + d[None, :], mask=ok, other=0.0)
             fn = tl.load(Fn + cols[None, :] * fn_stride + (k * D + d)[:, None],
                          mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-            acc += tl.dot(hk, fn, input_precision="ieee")
+            acc += tl.dot(hk, fn, input_precision=PRECISION)
             sq += tl.sum(hk * hk, axis=1)
     tl.store(PartMix + (pid_s * T + rows[:, None]) * MIX + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
     tl.store(PartSq + pid_s * T + rows, sq, mask=row_ok)
@@ -117,5 +118,163 @@ def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
         p = tl.sum(tl.where(j == i, pre, 0.0), axis=0)
         y = y + p * tl.load(HNew + (t * HC + i) * D + d, mask=d_ok, other=0.0)
     r = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + eps)
+    w = tl.load(Norm + d, mask=d_ok, other=0.0).to(tl.float32)
+    tl.store(Y + t * D + d, y * r * w, mask=d_ok)
+
+
+# ---- the split finishing: launch 2 spread over the hidden dims (four streams) -----------------------
+
+@triton.jit
+def _stream_tile(k: tl.constexpr, f, H, Post, Comb, HNew, rows, row_ok, d, ok,
+                 D: tl.constexpr, HC: tl.constexpr, POST: tl.constexpr):
+    """Stream k's tile [BLOCK_M, BLOCK_D] after the post (stored to HNew), or as it was without one."""
+    if POST:
+        mix = tl.zeros(f.shape, dtype=tl.float32)
+        for j in tl.static_range(HC):
+            c = tl.load(Comb + rows * (HC * HC) + j * HC + k, mask=row_ok, other=0.0)
+            hj = tl.load(H + (rows[:, None] * HC + j) * D + d[None, :], mask=ok, other=0.0)
+            mix = mix + c[:, None] * hj
+        p = tl.load(Post + rows * HC + k, mask=row_ok, other=0.0)
+        hk = p[:, None] * f + mix
+        tl.store(HNew + (rows[:, None] * HC + k) * D + d[None, :], hk, mask=ok)
+    else:
+        hk = tl.load(H + (rows[:, None] * HC + k) * D + d[None, :], mask=ok, other=0.0)
+    return hk
+
+
+@triton.jit
+def _mix_dot(hk, Fn, k: tl.constexpr, cols, col_ok, d, d_ok, fn_stride, D: tl.constexpr,
+             PRECISION: tl.constexpr):
+    fn = tl.load(Fn + cols[None, :] * fn_stride + (k * D + d)[:, None],
+                 mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+    return tl.dot(hk, fn, input_precision=PRECISION)
+
+
+@triton.jit
+def post_gram_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
+                     T, f_stride, fp_stride, fn_stride,
+                     D: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
+                     POST: tl.constexpr, PLUS: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """``post_mix_kernel`` for four streams, with each row's Gram matrix of the new streams over the
+    program's dims (PartGram[s, t, 4 i + j] = sum_d h'_i h'_j) in place of the sum of squares: the
+    norm of any weighted sum of the streams follows from it, so launch 2 can split the dims."""
+    await_predecessor(PDL)
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    cols = tl.arange(0, MIX_PAD)
+    col_ok = cols < MIX
+    acc = tl.zeros([BLOCK_M, MIX_PAD], dtype=tl.float32)
+    g00 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g01 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g02 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g03 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g11 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g12 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g13 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g22 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g23 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g33 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for b in tl.static_range(D_BLOCKS):
+        d = (pid_s * D_BLOCKS + b) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        ok = row_ok[:, None] & d_ok[None, :]
+        f = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if POST:
+            f = tl.load(F + rows[:, None] * f_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            if PLUS:
+                f = f + tl.load(FPlus + rows[:, None] * fp_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        h0 = _stream_tile(0, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
+        h1 = _stream_tile(1, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
+        h2 = _stream_tile(2, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
+        h3 = _stream_tile(3, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
+        acc += _mix_dot(h0, Fn, 0, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+        acc += _mix_dot(h1, Fn, 1, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+        acc += _mix_dot(h2, Fn, 2, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+        acc += _mix_dot(h3, Fn, 3, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+        g00 += tl.sum(h0 * h0, axis=1)
+        g01 += tl.sum(h0 * h1, axis=1)
+        g02 += tl.sum(h0 * h2, axis=1)
+        g03 += tl.sum(h0 * h3, axis=1)
+        g11 += tl.sum(h1 * h1, axis=1)
+        g12 += tl.sum(h1 * h2, axis=1)
+        g13 += tl.sum(h1 * h3, axis=1)
+        g22 += tl.sum(h2 * h2, axis=1)
+        g23 += tl.sum(h2 * h3, axis=1)
+        g33 += tl.sum(h3 * h3, axis=1)
+    tl.store(PartMix + (pid_s * T + rows[:, None]) * MIX + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    gram = PartGram + (pid_s * T + rows) * 16
+    tl.store(gram + 0, g00, mask=row_ok)
+    tl.store(gram + 1, g01, mask=row_ok)
+    tl.store(gram + 2, g02, mask=row_ok)
+    tl.store(gram + 3, g03, mask=row_ok)
+    tl.store(gram + 4, g01, mask=row_ok)
+    tl.store(gram + 5, g11, mask=row_ok)
+    tl.store(gram + 6, g12, mask=row_ok)
+    tl.store(gram + 7, g13, mask=row_ok)
+    tl.store(gram + 8, g02, mask=row_ok)
+    tl.store(gram + 9, g12, mask=row_ok)
+    tl.store(gram + 10, g22, mask=row_ok)
+    tl.store(gram + 11, g23, mask=row_ok)
+    tl.store(gram + 12, g03, mask=row_ok)
+    tl.store(gram + 13, g13, mask=row_ok)
+    tl.store(gram + 14, g23, mask=row_ok)
+    tl.store(gram + 15, g33, mask=row_ok)
+
+
+@triton.jit
+def pre_finish_split_kernel(PartMix, PartGram, HNew, Scale, Base, Norm, Y, Post, Comb,
+                            T, inv_k, eps, N_SLICES: tl.constexpr,
+                            D: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr,
+                            ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (t, c): token t's mixes and Gram matrix from the slices' partials (in slice order),
+    the split and Sinkhorn as ``pre_finish_kernel`` (every program of the token the same bits; the
+    first stores post and comb), then dims c * BLOCK_D.. of Y[t] = rms_norm(sum_i pre_i HNew[t, i],
+    Norm), the mean square being pre^T G pre / D."""
+    await_predecessor(PDL)
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    HC: tl.constexpr = 4
+    j = tl.arange(0, HC)
+    jj = j[:, None]
+    kk = j[None, :]
+    a_pre = tl.zeros([HC], dtype=tl.float32)
+    a_post = tl.zeros([HC], dtype=tl.float32)
+    a_comb = tl.zeros([HC, HC], dtype=tl.float32)
+    gram = tl.zeros([HC, HC], dtype=tl.float32)
+    for s in tl.static_range(N_SLICES):
+        off = (s * T + t) * MIX
+        a_pre += tl.load(PartMix + off + j)
+        a_post += tl.load(PartMix + off + HC + j)
+        a_comb += tl.load(PartMix + off + 2 * HC + jj * HC + kk)
+        gram += tl.load(PartGram + (s * T + t) * 16 + jj * HC + kk)
+    sq = tl.sum(tl.sum(tl.where(jj == kk, gram, 0.0), axis=1), axis=0)
+    rsqrt = 1.0 / tl.sqrt(sq * inv_k + eps)
+    s0 = tl.load(Scale + 0)
+    s1 = tl.load(Scale + 1)
+    s2 = tl.load(Scale + 2)
+    pre = tl.sigmoid(a_pre * rsqrt * s0 + tl.load(Base + j)) + HC_EPS
+    comb = a_comb * rsqrt * s2 + tl.load(Base + 2 * HC + jj * HC + kk)
+    comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
+    comb = comb / tl.sum(comb, axis=1)[:, None] + HC_EPS
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + HC_EPS)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
+    if c == 0:
+        post = 2.0 * tl.sigmoid(a_post * rsqrt * s1 + tl.load(Base + HC + j))
+        tl.store(Post + t * HC + j, post)
+        tl.store(Comb + t * HC * HC + jj * HC + kk, comb)
+    ms = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0) / D
+    r = 1.0 / tl.sqrt(ms + eps)
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    y = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(HC):
+        p = tl.sum(tl.where(j == i, pre, 0.0), axis=0)
+        y = y + p * tl.load(HNew + (t * HC + i) * D + d, mask=d_ok, other=0.0)
     w = tl.load(Norm + d, mask=d_ok, other=0.0).to(tl.float32)
     tl.store(Y + t * D + d, y * r * w, mask=d_ok)

@@ -7,6 +7,7 @@ With the switch off ``ops.hc_boundary`` runs the torch ops."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang_dsv4.core import ops
@@ -50,8 +51,12 @@ print("WORST", worst)
 """
 
 
-def test_the_kernel_gives_the_torch_ops_boundary(triton_interpreted):
-    assert triton_interpreted(_CASES) < 2e-6  # fp32: other summation orders
+@pytest.mark.parametrize("finish_block", [0, 128])
+def test_the_kernel_gives_the_torch_ops_boundary(triton_interpreted, finish_block):
+    """Launch 2 a program a token (0), and split over blocks of 128 dims (the norm from the Gram
+    partials: the width of 2560 takes 20 of them)."""
+    assert triton_interpreted(_CASES.replace("kernel.ENABLED = True  # opt-in",
+                                             f"kernel.ENABLED = True  # opt-in\nkernel.FINISH_BLOCK = {finish_block}")) < 2e-6
 
 
 _MODEL = """
