@@ -37,8 +37,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--variants", default="",
                     help="launch shapes of the kernel to time besides its default, comma-separated "
-                         "SLICES/WARPS/PRECISION/BLOCK (hc_boundary.MAX_SLICES / FINISH_WARPS / PRECISION / "
-                         "FINISH_BLOCK; warps 0: the kernel's choice), e.g. 32/4/ieee/0,64/1/tf32x3/512")
+                         "SLICES/WARPS/PRECISION/BLOCK[/MIX_WARPS[/BLOCK_D]] (hc_boundary.MAX_SLICES / FINISH_WARPS / "
+                         "PRECISION / FINISH_BLOCK / MIX_WARPS / BLOCK_D; warps 0: the kernel's choice), "
+                         "e.g. 32/4/ieee/0,64/1/tf32x3/512/8/32")
     args = ap.parse_args()
     cfg = preset_config("flash8")
     hc, D = cfg.hc_mult, args.dim
@@ -86,9 +87,13 @@ def main() -> None:
 def variants(args, cfg, fn, base, scale, norm, g) -> None:
     """The kernel's launch shapes side by side (replayed us per call, ``post`` kind): slices of the
     hidden dims for launch 1, warps for launch 2; the first column is the kernel's default shape."""
-    shapes = [(int(s), int(w) or None, p, int(b)) for s, w, p, b in (v.split("/") for v in args.variants.split(","))]
-    knobs = ("MAX_SLICES", "FINISH_WARPS", "PRECISION", "FINISH_BLOCK")
+    knobs = ("MAX_SLICES", "FINISH_WARPS", "PRECISION", "FINISH_BLOCK", "MIX_WARPS", "BLOCK_D")
     default = tuple(getattr(hc_boundary, k) for k in knobs)
+    shapes = []
+    for v in args.variants.split(","):
+        parts = v.split("/")
+        given = [int(parts[0]), int(parts[1]) or None, parts[2], *(int(x) for x in parts[3:])]
+        shapes.append(tuple(given + list(default[len(given):])))
     hc, D = cfg.hc_mult, args.dim
     print("\n| batch | " + " | ".join("/".join(str(x or 0) for x in v) + " us" for v in [default, *shapes])
           + " | max diff of each |")
@@ -99,7 +104,7 @@ def variants(args, cfg, fn, base, scale, norm, g) -> None:
         done = ops.SublayerOutput(torch.randn(B, D, generator=g, device="cuda"),
                                   torch.rand(B, hc, generator=g, device="cuda") * 2,
                                   torch.softmax(torch.randn(B, hc, hc, generator=g, device="cuda"), -1))
-        times, diffs = [], []
+        times, diffs, splits = [], [], []
         hc_boundary.ENABLED = False
         want = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
         hc_boundary.ENABLED = True
@@ -109,9 +114,12 @@ def variants(args, cfg, fn, base, scale, norm, g) -> None:
             got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
             diffs.append(max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)))
             times.append(time_us(lambda: ops.hc_boundary(h, done, fn, base, scale, cfg, norm), args.reps))
+            splits.append(" + ".join(f"{us:.1f}" for _, us in kernel_times(
+                lambda: ops.hc_boundary(h, done, fn, base, scale, cfg, norm))))
         for k, v in zip(knobs, default):
             setattr(hc_boundary, k, v)
         print(f"| {B} | " + " | ".join(f"{t:.1f}" for t in times) + " | " + ", ".join(f"{e:.0e}" for e in diffs) + " |")
+        print(f"| {B} eager, us a launch | " + " | ".join(splits) + " | |")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ On by default on the GPU since 2026-12-05 (the flash8 server ran with it on the 
 passing; its GPU tests hold it to the loop within 1.9e-7 of the vectors' scale: its rounding is
 Triton's, the loop's Inductor's). ``SGLANG_DSV4_C128_POOL=loop`` keeps the torch loop.
 
-``entries`` goes further (opt-in, ``SGLANG_DSV4_C128_ENTRIES_KERNEL=1``, until a step has timed
-it; its GPU tests passed on an H200 in session 35): the layer's whole compressor after its
+``entries`` goes further (on by default since session 36, ``SGLANG_DSV4_C128_ENTRIES_KERNEL=0``
+off; its GPU tests passed on an H200 in session 35; alone it took flash8's step (1K, fp8, graphs,
+H100) from 6.69 to 6.48 ms at batch 64 and left batch 1 level; flash43's batch-64 step (H100, session 36) went from 21.80 to 19.83 ms with it and the other three kernels switched on then): the layer's whole compressor after its
 projections in two launches, where the pooling launch sat between ``ops.c128_start``'s region
 and ``ops.c128_finish``'s ~7 kernels (the state write, the division, norm, RoPE, FP8 QAT). One program a segment starts from its slot's state,
 pools, keeps its state and finishes its entry (``c4_entries_triton.finish_entry``, the C4
@@ -36,8 +37,8 @@ from .triton_support import pdl_options, pow2, runs_on
 Tensor = torch.Tensor
 
 ENABLED = os.environ.get("SGLANG_DSV4_C128_POOL", "kernel") == "kernel"
-# opt-in until a step has timed it (its GPU tests passed on an H200, session 35); read per call
-ENTRIES = os.environ.get("SGLANG_DSV4_C128_ENTRIES_KERNEL", "0") == "1"
+# on by default (module docstring); read per call
+ENTRIES = os.environ.get("SGLANG_DSV4_C128_ENTRIES_KERNEL", "1") == "1"
 MAX_BLOCK_D = 128  # dims a program holds (three float32 vectors of state)
 
 

@@ -26,8 +26,9 @@ expert's weights, so the count that matters is the rows an expert gets on averag
 V4-Flash's 256 experts at 256 tokens get 6 each (64-row blocks: ~10x the rows' MMA work), a
 43-layer model with 8 experts at 64 tokens 48 (16-row blocks: each expert's weights read 3
 times; 64-row blocks 1.7-1.8x faster per GEMM, ``fp8_h200.md`` session 12). ``EXPERT_BLOCKS``
-(opt-in, ``SGLANG_DSV4_EXPERT_BLOCKS=1``) takes 64 rows from 32 pairs an expert on average, 16
-below; the flash8 (32 experts) cases keep their blocks at batch 1 to 256.
+(on by default since session 36, ``SGLANG_DSV4_EXPERT_BLOCKS=0`` off) takes 64 rows from 32 pairs
+an expert on average, 16 below; the flash8 (32 experts) cases keep their blocks at batch 1 to 256
+(its step at batch 1 was level with it), and flash43's batch-64 step (H100, session 36) went from 21.80 to 19.83 ms with it and the other three kernels switched on then.
 
 Shapes depend only on (T, k, local experts): no host sync, CUDA-graph capturable. Pairs routed
 to experts another rank holds (expert parallelism) are dropped; their output is zero.
@@ -75,8 +76,8 @@ FOLD_SHARED = os.environ.get("SGLANG_DSV4_FOLD_SHARED", "0") == "1"
 # lose GEMM 1's float32 output).
 FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "1") == "1"
 # Whether the rows per expert block follow the pairs a local expert gets (module docstring); read
-# per call; opt-in until timed on a GPU (``bench_fp8_gemm --blocks``, ``bench_decode --switches``).
-EXPERT_BLOCKS = os.environ.get("SGLANG_DSV4_EXPERT_BLOCKS", "0") == "1"
+# per call; on by default (``bench_fp8_gemm --blocks``, ``bench_decode --switches``).
+EXPERT_BLOCKS = os.environ.get("SGLANG_DSV4_EXPERT_BLOCKS", "1") == "1"
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ PRECISION = "ieee"
 # launch 2's dims a program (0: the whole row, a program a token; else a program per token and
 # block of dims, four streams only, the norm from launch 1's Gram partials); a harness sweeps it
 FINISH_BLOCK = 0
-FINISH_WARPS: int | None = None  # launch 2's warps (None: 8 from a width of 2048, else 4); a harness sweeps it
+FINISH_WARPS: int | None = None
+MIX_WARPS = 4  # launch 1's warps; a harness sweeps it  # launch 2's warps (None: 8 from a width of 2048, else 4); a harness sweeps it
 
 
 def slicing(d: int) -> tuple[int, int]:
@@ -108,7 +109,7 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
                 comb if expand else h, out, fn, part_mix, part_sq, T, f.stride(0) if expand else 0,
                 f_plus.stride(0) if f_plus is not None else 0, fn.stride(0))
     shape = dict(D=d, MIX=mix, MIX_PAD=max(16, pow2(mix)), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, D_BLOCKS=per,
-                 POST=expand, PLUS=f_plus is not None, PRECISION=PRECISION, num_warps=4, **pdl)
+                 POST=expand, PLUS=f_plus is not None, PRECISION=PRECISION, num_warps=MIX_WARPS, **pdl)
     finish = (part_mix, part_sq, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
               y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps)
     if split:

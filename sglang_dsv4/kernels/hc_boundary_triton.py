@@ -125,20 +125,20 @@ def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
 # ---- the split finishing: launch 2 spread over the hidden dims (four streams) -----------------------
 
 @triton.jit
-def _stream_tile(k: tl.constexpr, f, H, Post, Comb, HNew, rows, row_ok, d, ok,
-                 D: tl.constexpr, HC: tl.constexpr, POST: tl.constexpr):
-    """Stream k's tile [BLOCK_M, BLOCK_D] after the post (stored to HNew), or as it was without one."""
-    if POST:
-        mix = tl.zeros(f.shape, dtype=tl.float32)
-        for j in tl.static_range(HC):
-            c = tl.load(Comb + rows * (HC * HC) + j * HC + k, mask=row_ok, other=0.0)
-            hj = tl.load(H + (rows[:, None] * HC + j) * D + d[None, :], mask=ok, other=0.0)
-            mix = mix + c[:, None] * hj
-        p = tl.load(Post + rows * HC + k, mask=row_ok, other=0.0)
-        hk = p[:, None] * f + mix
-        tl.store(HNew + (rows[:, None] * HC + k) * D + d[None, :], hk, mask=ok)
-    else:
-        hk = tl.load(H + (rows[:, None] * HC + k) * D + d[None, :], mask=ok, other=0.0)
+def _expanded(k: tl.constexpr, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D: tl.constexpr):
+    """Stream k's tile after the post, p_k f + sum_j comb[j, k] h_j (in stream order), stored to
+    HNew; the four streams' tiles are loaded once for all four outputs."""
+    c0 = tl.load(Comb + rows * 16 + 0 * 4 + k, mask=row_ok, other=0.0)
+    c1 = tl.load(Comb + rows * 16 + 1 * 4 + k, mask=row_ok, other=0.0)
+    c2 = tl.load(Comb + rows * 16 + 2 * 4 + k, mask=row_ok, other=0.0)
+    c3 = tl.load(Comb + rows * 16 + 3 * 4 + k, mask=row_ok, other=0.0)
+    mix = c0[:, None] * h0
+    mix = mix + c1[:, None] * h1
+    mix = mix + c2[:, None] * h2
+    mix = mix + c3[:, None] * h3
+    p = tl.load(Post + rows * 4 + k, mask=row_ok, other=0.0)
+    hk = p[:, None] * f + mix
+    tl.store(HNew + (rows[:, None] * 4 + k) * D + d[None, :], hk, mask=ok)
     return hk
 
 
@@ -182,15 +182,19 @@ def post_gram_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
         d = (pid_s * D_BLOCKS + b) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
         ok = row_ok[:, None] & d_ok[None, :]
-        f = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        h0 = tl.load(H + (rows[:, None] * 4 + 0) * D + d[None, :], mask=ok, other=0.0)
+        h1 = tl.load(H + (rows[:, None] * 4 + 1) * D + d[None, :], mask=ok, other=0.0)
+        h2 = tl.load(H + (rows[:, None] * 4 + 2) * D + d[None, :], mask=ok, other=0.0)
+        h3 = tl.load(H + (rows[:, None] * 4 + 3) * D + d[None, :], mask=ok, other=0.0)
         if POST:
             f = tl.load(F + rows[:, None] * f_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
             if PLUS:
                 f = f + tl.load(FPlus + rows[:, None] * fp_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        h0 = _stream_tile(0, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
-        h1 = _stream_tile(1, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
-        h2 = _stream_tile(2, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
-        h3 = _stream_tile(3, f, H, Post, Comb, HNew, rows, row_ok, d, ok, D, 4, POST)
+            e0 = _expanded(0, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D)
+            e1 = _expanded(1, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D)
+            e2 = _expanded(2, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D)
+            e3 = _expanded(3, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D)
+            h0, h1, h2, h3 = e0, e1, e2, e3
         acc += _mix_dot(h0, Fn, 0, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
         acc += _mix_dot(h1, Fn, 1, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
         acc += _mix_dot(h2, Fn, 2, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
