@@ -3,6 +3,7 @@ region, SGLang's two mixes + Sinkhorn kernels, the weighted norm's region) again
 of ``kernels.hc_boundary`` (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``), side by side.
 
     python -m benchmarks.bench_hc_boundary [--batches 1,16,64,256] [--dim 4096] [--reps 50]
+        [--variants 32/1/ieee/512,64/2/tf32x3/1024]
 
 Per batch and kind (``post``: an attention output expanded, then the next input; ``first``: the
 first sublayer's input alone): microseconds per call of each path (captured in a CUDA graph and
@@ -12,8 +13,9 @@ and whether a row's kernel result is the same bits alone as in the batch; then e
 with their GPU time in one eager call (profiler; an eager launch runs longer than a replayed
 one, the split between kernels is the point). The floor: the bytes a
 call must move (the streams read, the output read and the new streams written where it expands
-one, the mixing matrix) over the copy bandwidth measured in the same run. A harness: it decides
-the switch's default; the package never imports it.
+one, the mixing matrix) over the copy bandwidth measured in the same run. ``--variants``: the
+kernel's launch shapes (``hc_boundary``'s constants) side by side. A harness: it decides the
+switch's default and the kernel's shapes; the package never imports it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="launch shapes of the kernel to time besides its default, comma-separated "
                          "SLICES/WARPS/PRECISION/BLOCK[/MIX_WARPS[/BLOCK_D]] (hc_boundary.MAX_SLICES / FINISH_WARPS / "
-                         "PRECISION / FINISH_BLOCK / MIX_WARPS / BLOCK_D; warps 0: the kernel's choice), "
-                         "e.g. 32/4/ieee/0,64/1/tf32x3/512/8/32")
+                         "PRECISION / FINISH_BLOCK / MIX_WARPS / BLOCK_D), e.g. 32/1/ieee/512,64/2/tf32x3/1024/8/32")
     args = ap.parse_args()
     cfg = preset_config("flash8")
     hc, D = cfg.hc_mult, args.dim
@@ -85,17 +86,18 @@ def main() -> None:
 
 
 def variants(args, cfg, fn, base, scale, norm, g) -> None:
-    """The kernel's launch shapes side by side (replayed us per call, ``post`` kind): slices of the
-    hidden dims for launch 1, warps for launch 2; the first column is the kernel's default shape."""
+    """The kernel's launch shapes side by side (replayed us per call, ``post`` kind, and each launch's
+    eager GPU time): slices of the hidden dims, the dot's precision, warps and dims a program; the
+    first column is the kernel's default shape."""
     knobs = ("MAX_SLICES", "FINISH_WARPS", "PRECISION", "FINISH_BLOCK", "MIX_WARPS", "BLOCK_D")
     default = tuple(getattr(hc_boundary, k) for k in knobs)
     shapes = []
     for v in args.variants.split(","):
         parts = v.split("/")
-        given = [int(parts[0]), int(parts[1]) or None, parts[2], *(int(x) for x in parts[3:])]
+        given = [int(parts[0]), int(parts[1]), parts[2], *(int(x) for x in parts[3:])]
         shapes.append(tuple(given + list(default[len(given):])))
     hc, D = cfg.hc_mult, args.dim
-    print("\n| batch | " + " | ".join("/".join(str(x or 0) for x in v) + " us" for v in [default, *shapes])
+    print("\n| batch | " + " | ".join("/".join(str(x) for x in v) + " us" for v in [default, *shapes])
           + " | max diff of each |")
     print("|---" * (len(shapes) + 3) + "|")
     hc_boundary.ENABLED = True

@@ -9,21 +9,26 @@ kernel (``hc_split.hc_pre_split``), the weighted norm as another Inductor kernel
 flash43 at batch 64 (H100) they were ~25 us a boundary, 2.2 ms of a 22 ms step over 86 boundaries.
 
 Here launch 1 computes the post and, from the new streams still in registers, each slice of the
-hidden dims' share of the mixes' dot products and sum of squares (``post_mix_kernel``); launch 2, a
-program a token, adds the slices' partials, splits, runs the Sinkhorn and writes the normed
-weighted sum (``pre_finish_kernel``). The first sublayer (no output to expand yet) takes the same
-two launches with the post left out. The streams are read once by each launch and written once.
+hidden dims' share of the mixes' dot products and of the streams' Gram matrix (``post_mix_kernel``);
+launch 2, a program a token and block of 512 dims, adds the slices' partials, splits, runs the
+Sinkhorn and writes its block of the normed weighted sum, whose mean square is pre^T G pre / D
+(``pre_finish_kernel``). The first sublayer (no output to expand yet) takes the same two launches
+with the post left out. The streams are read once by each launch and written once. V4's four
+streams only (``supported``).
 
-The math is the torch ops' in fp32 (another summation order for the mixes' dot products and the
-sums of squares: slices of the hidden dims, as SGLang's kernel slices its K); each row's bits depend
-on the width alone, not the batch. Tested against the torch ops under the interpreter
-(``tests/kernels/test_hc_boundary.py``) and on the GPU (``tests/kernels/test_hc_boundary_gpu.py``).
-Opt-in (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``, ``bench_decode --switches hc_boundary_kernel``), and
-not worth switching on yet: on an H200 (session 35, ``benchmarks/bench_hc_boundary.py``, graph
-replay) its two launches took 30.8 / 33.2 / 95.9 us a boundary at batch 1 / 64 / 256 against the
-default path's four at 13.7 / 21.3 / 48.7 (0.44-0.64x), the same values to 7e-7 and each row the
-same bits alone as in the batch. Where the time goes (the finishing kernel's 8 warps over a [4, 4]
-Sinkhorn, the fp32 FMA dot, the streams' tiles reloaded per output stream) is for a profile to say.
+The math is the torch ops' in fp32 (other summation orders: slices of the hidden dims for the
+mixes' dot products, as SGLang's kernel slices its K, and the Gram matrix for the norms); each
+row's bits depend on the width alone, not the batch. Tested against the torch ops under the
+interpreter (``tests/kernels/test_hc_boundary.py``) and on the GPU
+(``tests/kernels/test_hc_boundary_gpu.py``: passed in session 35 with the first shapes below, the
+model test's bounds since loosened, not yet run with these shapes).
+Opt-in (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``, ``bench_decode --switches hc_boundary_kernel``):
+graph-replayed (``benchmarks/bench_hc_boundary.py``), the first shapes (32 slices, an fp32 FMA dot,
+a program a token with 8 warps for launch 2) took 30.8 / 33.2 / 95.9 us a boundary at batch 1 / 64
+/ 256 on an H200 (session 35) against the default path's four launches at 13.7 / 21.3 / 48.7;
+these (the constants below) 13.6 / 17.4 / 65.0 against 13.7 / 21.9 / 54.4 on an H100 (session 36,
+within 2e-7 of the default path's values): level, 1.26x and 0.84x. Eager, launch 1 is most of
+the time; at 256 rows it is slower than the default path's post and mixes kernels together.
 """
 
 from __future__ import annotations
@@ -36,19 +41,18 @@ from ..config import V4Config
 from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
-# opt-in: slower than the default path so far (module docstring); read per call
+# opt-in: slower than the default path at 256 rows (module docstring); read per call
 ENABLED = os.environ.get("SGLANG_DSV4_HC_BOUNDARY_KERNEL", "0") == "1"
 BLOCK_M = 16   # rows a launch-1 program takes (a dot's least M); fixed, so a row's bits are the batch's
+# Launch shapes, measured side by side on an H100 in session 36 (``bench_hc_boundary --variants``,
+# which sets these): 64 slices of one tile against 32 of two, 13.6 against 19.4 us at batch 1;
+# TF32x3 against the fp32 FMA dot, 21.3 against 31.1 us (launch 2 then a program a token).
 BLOCK_D = 64   # the dot's K tile within a stream
-MAX_SLICES = 32  # slices of the hidden dims launch 1 spreads over (fewer where D is narrow)
-# the mixes' dot: "ieee" (fp32 FMAs) or "tf32x3" (three TF32 tensor-core products, fp32-level
-# error; SGLang's hc_mix_stats on NVIDIA); a harness sweeps it
-PRECISION = "ieee"
-# launch 2's dims a program (0: the whole row, a program a token; else a program per token and
-# block of dims, four streams only, the norm from launch 1's Gram partials); a harness sweeps it
-FINISH_BLOCK = 0
-FINISH_WARPS: int | None = None
-MIX_WARPS = 4  # launch 1's warps; a harness sweeps it  # launch 2's warps (None: 8 from a width of 2048, else 4); a harness sweeps it
+MAX_SLICES = 64  # slices of the hidden dims launch 1 spreads over (fewer where D is narrow)
+PRECISION = "tf32x3"  # the mixes' dot (``hc_boundary_triton``'s docstring)
+MIX_WARPS = 4  # launch 1's warps
+FINISH_BLOCK = 512  # dims a launch-2 program normalises (each also runs the token's Sinkhorn)
+FINISH_WARPS = 1  # launch 2's: the [4, 4] Sinkhorn's reductions stay within a warp
 
 
 def slicing(d: int) -> tuple[int, int]:
@@ -62,15 +66,14 @@ def slicing(d: int) -> tuple[int, int]:
 def supported(h: Tensor, fn: Tensor, norm: Tensor | None, cfg: V4Config, f: Tensor | None = None,
               f_plus: Tensor | None = None) -> bool:
     """Whether ``post_pre`` takes these operands: switched on (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``);
-    fp32 streams [T, hc, D] and mixer [(2 + hc) * hc, hc * D] with unit column strides, hc a power
-    of two; a norm weight [D]; the output ``f`` and its second part ``f_plus`` (if any) [T, D] with
+    fp32 streams [T, 4, D] (V4's four) and mixer [24, 4 * D] with unit column strides; a norm weight [D]; the output ``f`` and its second part ``f_plus`` (if any) [T, D] with
     unit column strides; a CUDA tensor (or the interpreter)."""
     if not ENABLED or norm is None:
         return False
     if h.dim() != 3 or h.dtype != torch.float32 or fn.dtype != torch.float32 or not h.is_contiguous():
         return False
     T, hc, d = h.shape
-    if hc < 1 or hc & (hc - 1) or fn.shape != ((2 + hc) * hc, hc * d) or fn.stride(1) != 1:
+    if hc != 4 or fn.shape != ((2 + hc) * hc, hc * d) or fn.stride(1) != 1:
         return False
     if norm.shape != (d,) or any(t is not None and (t.shape != (T, d) or t.stride(1) != 1) for t in (f, f_plus)):
         return False
@@ -86,7 +89,7 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     cfg, norm)`` of them. h [T, hc, D] fp32 contiguous; f, f_plus [T, D]; post [T, hc], comb
     [T, hc, hc] (the finished sublayer's); fn, scale, base, norm the next sublayer's mixer and
     input norm (``supported`` says which operands it takes)."""
-    from .hc_boundary_triton import post_gram_kernel, post_mix_kernel, pre_finish_kernel, pre_finish_split_kernel
+    from .hc_boundary_triton import post_mix_kernel, pre_finish_kernel
 
     T, hc, d = h.shape
     mix = (2 + hc) * hc
@@ -101,28 +104,20 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
         return out, y, post_n, comb_n
     if expand:
         post, comb = post.float().contiguous(), comb.float().contiguous()
-    split = FINISH_BLOCK > 0 and hc == 4
     part_mix = torch.empty(n_slices, T, mix, dtype=torch.float32, device=dev)
-    part_sq = torch.empty(n_slices, T, hc * hc if split else 1, dtype=torch.float32, device=dev)
+    part_gram = torch.empty(n_slices, T, hc * hc, dtype=torch.float32, device=dev)
     pdl = pdl_options(h)
-    operands = (f if expand else h, f_plus if f_plus is not None else h, h, post if expand else h,
-                comb if expand else h, out, fn, part_mix, part_sq, T, f.stride(0) if expand else 0,
-                f_plus.stride(0) if f_plus is not None else 0, fn.stride(0))
-    shape = dict(D=d, MIX=mix, MIX_PAD=max(16, pow2(mix)), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, D_BLOCKS=per,
-                 POST=expand, PLUS=f_plus is not None, PRECISION=PRECISION, num_warps=MIX_WARPS, **pdl)
-    finish = (part_mix, part_sq, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
-              y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps)
-    if split:
-        post_gram_kernel[(-(-T // BLOCK_M), n_slices)](*operands, **shape)
-        pre_finish_split_kernel[(T, -(-d // FINISH_BLOCK))](
-            *finish, N_SLICES=n_slices, D=d, BLOCK_D=FINISH_BLOCK, MIX=mix, ITERS=cfg.hc_sinkhorn_iters,
-            HC_EPS=cfg.hc_eps, num_warps=FINISH_WARPS or 1, **pdl)
-        return out, y, post_n, comb_n
-    post_mix_kernel[(-(-T // BLOCK_M), n_slices)](*operands, HC=hc, **shape)
-    block = pow2(d)
-    pre_finish_kernel[(T,)](
-        *finish, N_SLICES=n_slices, D=d, BLOCK_D=block, HC=hc, MIX=mix, ITERS=cfg.hc_sinkhorn_iters,
-        HC_EPS=cfg.hc_eps, num_warps=FINISH_WARPS or (8 if block >= 2048 else 4), **pdl)
+    post_mix_kernel[(-(-T // BLOCK_M), n_slices)](
+        f if expand else h, f_plus if f_plus is not None else h, h, post if expand else h, comb if expand else h,
+        out, fn, part_mix, part_gram, T, f.stride(0) if expand else 0,
+        f_plus.stride(0) if f_plus is not None else 0, fn.stride(0),
+        D=d, MIX=mix, MIX_PAD=max(16, pow2(mix)), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, D_BLOCKS=per,
+        POST=expand, PLUS=f_plus is not None, PRECISION=PRECISION, num_warps=MIX_WARPS, **pdl)
+    pre_finish_kernel[(T, -(-d // FINISH_BLOCK))](
+        part_mix, part_gram, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
+        y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps, N_SLICES=n_slices,
+        D=d, BLOCK_D=FINISH_BLOCK, MIX=mix, ITERS=cfg.hc_sinkhorn_iters, HC_EPS=cfg.hc_eps,
+        num_warps=FINISH_WARPS, **pdl)
     return out, y, post_n, comb_n
 
 

@@ -1,15 +1,19 @@
-"""The Triton kernels of ``hc_boundary.post_pre`` (imported on first use, as ``c4_entries_triton``).
+"""The Triton kernels of ``hc_boundary.post_pre`` (imported on first use, as ``c4_entries_triton``),
+for V4's four streams.
 
 Launch 1 (``post_mix_kernel``), a program per (16-token block, slice of the hidden dims): the
 sublayer output expanded into the streams (``ops.hc_post``, where there is one) and that slice's
-share of the next mixes' dot products and sum of squares. Launch 2 (``pre_finish_kernel``), a
-program per token: the slices' partials summed in slice order, the RMS scale, the split and the
-Sinkhorn of ``ops.hc_split_torch``, then the streams' weighted sum RMS-normed (``hc_weighted_norm``).
+share of the next mixes' dot products and of the streams' Gram matrix. Launch 2
+(``pre_finish_kernel``), a program per (token, block of dims): the slices' partials summed in
+slice order, the RMS scale, the split and the Sinkhorn of ``ops.hc_split_torch``, then that block
+of the streams' weighted sum RMS-normed (``hc_weighted_norm``), its mean square from the Gram
+matrix.
 
 Each row's arithmetic depends on the hidden width alone (the slices, the dot's K tiles, a fixed
-block of 16 rows), never on how many rows the batch holds: a row is the same bits alone or in any
-batch, as the chunk-invariance contract asks. The dot products are IEEE fp32 (no TF32): 24 mixes
-a token are few FMAs next to the bytes the launch reads.
+block of 16 rows, the blocks of dims), never on how many rows the batch holds: a row is the same
+bits alone or in any batch, as the chunk-invariance contract asks. The mixes' dot products take
+``PRECISION`` ("tf32x3": three TF32 tensor-core products, fp32-level error, SGLang's choice for
+the same dot; the fp32 FMA dot, "ieee", made launch 1 1.5x slower on an H100, session 36).
 """
 
 import triton
@@ -17,112 +21,6 @@ import triton.language as tl
 
 from .pdl_triton import await_predecessor
 
-
-@triton.jit
-def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartSq,
-                    T, f_stride, fp_stride, fn_stride,
-                    D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
-                    POST: tl.constexpr, PLUS: tl.constexpr, PRECISION: tl.constexpr = "ieee",
-                    PDL: tl.constexpr = False):
-    """Program (m, s): rows m * BLOCK_M.. and dims s * D_BLOCKS * BLOCK_D.. of each stream.
-
-    With POST: h'[t, k] = Post[t, k] * (F[t] (+ FPlus[t])) + sum_j Comb[t, j, k] H[t, j] (the sum in
-    stream order), stored to HNew [T, HC, D]; without: h' = H (nothing stored). Then over the
-    program's dims of every stream k: PartMix[s, t, :] = sum h'[t, k, d] Fn[:, k * D + d] and
-    PartSq[s, t] = sum h'[t, k, d]^2. H [T, HC, D] contiguous; Post [T, HC], Comb [T, HC, HC]
-    contiguous fp32; Fn [MIX, HC * D] fp32 with unit column stride."""
-    await_predecessor(PDL)
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T
-    cols = tl.arange(0, MIX_PAD)
-    col_ok = cols < MIX
-    acc = tl.zeros([BLOCK_M, MIX_PAD], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for b in tl.static_range(D_BLOCKS):
-        d = (pid_s * D_BLOCKS + b) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        ok = row_ok[:, None] & d_ok[None, :]
-        if POST:
-            f = tl.load(F + rows[:, None] * f_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
-            if PLUS:
-                f = f + tl.load(FPlus + rows[:, None] * fp_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        for k in tl.static_range(HC):
-            if POST:
-                # sum_j comb[j, k] h[j] in stream order (the streams' tiles come again from L1)
-                mix = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for j in tl.static_range(HC):
-                    c = tl.load(Comb + rows * (HC * HC) + j * HC + k, mask=row_ok, other=0.0)
-                    hj = tl.load(H + (rows[:, None] * HC + j) * D + d[None, :], mask=ok, other=0.0)
-                    mix = mix + c[:, None] * hj
-                p = tl.load(Post + rows * HC + k, mask=row_ok, other=0.0)
-                hk = p[:, None] * f + mix
-                tl.store(HNew + (rows[:, None] * HC + k) * D + d[None, :], hk, mask=ok)
-            else:
-                hk = tl.load(H + (rows[:, None] * HC + k) * D + d[None, :], mask=ok, other=0.0)
-            fn = tl.load(Fn + cols[None, :] * fn_stride + (k * D + d)[:, None],
-                         mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-            acc += tl.dot(hk, fn, input_precision=PRECISION)
-            sq += tl.sum(hk * hk, axis=1)
-    tl.store(PartMix + (pid_s * T + rows[:, None]) * MIX + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(PartSq + pid_s * T + rows, sq, mask=row_ok)
-
-
-@triton.jit
-def pre_finish_kernel(PartMix, PartSq, HNew, Scale, Base, Norm, Y, Post, Comb,
-                      T, inv_k, eps, N_SLICES: tl.constexpr,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr,
-                      ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program t: token t's mixes from the ``N_SLICES`` partials (added in slice order: unrolled, so
-    their loads are in flight together rather than one L2 round trip each) times the streams' RMS
-    scale; pre (kept in registers) / post / comb as ``ops.hc_split_torch`` (sigmoids; a row softmax,
-    then Sinkhorn from a column normalisation, ``ITERS`` columns); then
-    Y[t] = rms_norm(sum_i pre_i HNew[t, i], Norm) (the sum in stream order)."""
-    await_predecessor(PDL)
-    t = tl.program_id(0)
-    j = tl.arange(0, HC)
-    jj = j[:, None]
-    kk = j[None, :]
-    a_pre = tl.zeros([HC], dtype=tl.float32)
-    a_post = tl.zeros([HC], dtype=tl.float32)
-    a_comb = tl.zeros([HC, HC], dtype=tl.float32)
-    sq = tl.zeros([1], dtype=tl.float32)
-    for s in tl.static_range(N_SLICES):
-        off = (s * T + t) * MIX
-        a_pre += tl.load(PartMix + off + j)
-        a_post += tl.load(PartMix + off + HC + j)
-        a_comb += tl.load(PartMix + off + 2 * HC + jj * HC + kk)
-        sq += tl.load(PartSq + s * T + t + tl.arange(0, 1))
-    rsqrt = tl.sum(1.0 / tl.sqrt(sq * inv_k + eps), axis=0)
-    s0 = tl.load(Scale + 0)
-    s1 = tl.load(Scale + 1)
-    s2 = tl.load(Scale + 2)
-    pre = tl.sigmoid(a_pre * rsqrt * s0 + tl.load(Base + j)) + HC_EPS
-    post = 2.0 * tl.sigmoid(a_post * rsqrt * s1 + tl.load(Base + HC + j))
-    comb = a_comb * rsqrt * s2 + tl.load(Base + 2 * HC + jj * HC + kk)
-    comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
-    comb = comb / tl.sum(comb, axis=1)[:, None] + HC_EPS
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
-    for _ in tl.static_range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + HC_EPS)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
-    tl.store(Post + t * HC + j, post)
-    tl.store(Comb + t * HC * HC + jj * HC + kk, comb)
-
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    y = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in tl.static_range(HC):
-        p = tl.sum(tl.where(j == i, pre, 0.0), axis=0)
-        y = y + p * tl.load(HNew + (t * HC + i) * D + d, mask=d_ok, other=0.0)
-    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + eps)
-    w = tl.load(Norm + d, mask=d_ok, other=0.0).to(tl.float32)
-    tl.store(Y + t * D + d, y * r * w, mask=d_ok)
-
-
-# ---- the split finishing: launch 2 spread over the hidden dims (four streams) -----------------------
 
 @triton.jit
 def _expanded(k: tl.constexpr, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D: tl.constexpr):
@@ -151,15 +49,21 @@ def _mix_dot(hk, Fn, k: tl.constexpr, cols, col_ok, d, d_ok, fn_stride, D: tl.co
 
 
 @triton.jit
-def post_gram_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
+def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
                      T, f_stride, fp_stride, fn_stride,
                      D: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
                      POST: tl.constexpr, PLUS: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr = False):
-    """``post_mix_kernel`` for four streams, with each row's Gram matrix of the new streams over the
-    program's dims (PartGram[s, t, 4 i + j] = sum_d h'_i h'_j) in place of the sum of squares: the
-    norm of any weighted sum of the streams follows from it, so launch 2 can split the dims."""
+    """Program (m, s): rows m * BLOCK_M.. and dims s * D_BLOCKS * BLOCK_D.. of each of the four streams.
+
+    With POST: h'[t, k] = Post[t, k] * (F[t] (+ FPlus[t])) + sum_j Comb[t, j, k] H[t, j] (the sum in
+    stream order), stored to HNew [T, 4, D]; without: h' = H (nothing stored). Then over the
+    program's dims: PartMix[s, t, :] = sum_{k, d} h'[t, k, d] Fn[:, k * D + d] and the Gram matrix
+    PartGram[s, t, 4 i + j] = sum_d h'[t, i, d] h'[t, j, d]: its trace is the streams' sum of
+    squares, and the norm of any weighted sum of the streams follows from it, so launch 2 need not
+    see a whole row. H [T, 4, D] contiguous; Post [T, 4], Comb [T, 4, 4] contiguous fp32; Fn
+    [MIX, 4 * D] fp32 with unit column stride."""
     await_predecessor(PDL)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -230,14 +134,17 @@ def post_gram_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
 
 
 @triton.jit
-def pre_finish_split_kernel(PartMix, PartGram, HNew, Scale, Base, Norm, Y, Post, Comb,
+def pre_finish_kernel(PartMix, PartGram, HNew, Scale, Base, Norm, Y, Post, Comb,
                             T, inv_k, eps, N_SLICES: tl.constexpr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr,
                             ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (t, c): token t's mixes and Gram matrix from the slices' partials (in slice order),
-    the split and Sinkhorn as ``pre_finish_kernel`` (every program of the token the same bits; the
-    first stores post and comb), then dims c * BLOCK_D.. of Y[t] = rms_norm(sum_i pre_i HNew[t, i],
-    Norm), the mean square being pre^T G pre / D."""
+    """Program (t, c): token t's mixes and Gram matrix from the slices' partials (added in slice
+    order, unrolled so their loads are in flight together), times the streams' RMS scale; pre / post
+    / comb as ``ops.hc_split_torch`` (sigmoids; a row softmax, then Sinkhorn from a column
+    normalisation, ``ITERS`` columns; every program of the token computes the same bits, the first
+    stores post and comb); then dims c * BLOCK_D.. of Y[t] = rms_norm(sum_i pre_i HNew[t, i], Norm)
+    (the sum in stream order), the mean square being pre^T G pre / D. One warp: the [4, 4]
+    reductions stay within it."""
     await_predecessor(PDL)
     t = tl.program_id(0)
     c = tl.program_id(1)
