@@ -66,8 +66,9 @@ def slicing(d: int) -> tuple[int, int]:
 def supported(h: Tensor, fn: Tensor, norm: Tensor | None, cfg: V4Config, f: Tensor | None = None,
               f_plus: Tensor | None = None) -> bool:
     """Whether ``post_pre`` takes these operands: switched on (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``);
-    fp32 streams [T, 4, D] (V4's four) and mixer [24, 4 * D] with unit column strides; a norm weight [D]; the output ``f`` and its second part ``f_plus`` (if any) [T, D] with
-    unit column strides; a CUDA tensor (or the interpreter)."""
+    fp32 streams [T, 4, D] (V4's four) and mixer [24, 4 * D] with unit column strides; a norm
+    weight [D]; the output ``f`` and its second part ``f_plus`` (if any) [T, D] with unit column
+    strides; a CUDA tensor (or the interpreter)."""
     if not ENABLED or norm is None:
         return False
     if h.dim() != 3 or h.dtype != torch.float32 or fn.dtype != torch.float32 or not h.is_contiguous():
