@@ -100,7 +100,6 @@ def variants(args, cfg, fn, base, scale, norm, g) -> None:
     print("\n| batch | " + " | ".join("/".join(str(x) for x in v) + " us" for v in [default, *shapes])
           + " | max diff of each |")
     print("|---" * (len(shapes) + 3) + "|")
-    hc_boundary.ENABLED = True
     for B in [int(b) for b in args.batches.split(",")]:
         h = torch.randn(B, hc, D, generator=g, device="cuda")
         done = ops.SublayerOutput(torch.randn(B, D, generator=g, device="cuda"),

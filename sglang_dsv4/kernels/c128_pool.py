@@ -16,8 +16,9 @@ Triton's, the loop's Inductor's). ``SGLANG_DSV4_C128_POOL=loop`` keeps the torch
 
 ``entries`` goes further (on by default since session 36, ``SGLANG_DSV4_C128_ENTRIES_KERNEL=0``
 off; its GPU tests passed on an H200 in session 35; alone it took flash8's step (1K, fp8, graphs,
-H100) from 6.69 to 6.48 ms at batch 64 and left batch 1 level; flash43's batch-64 step (H100, session 36) went from 21.80 to 19.83 ms with it and the other three kernels switched on then): the layer's whole compressor after its
-projections in two launches, where the pooling launch sat between ``ops.c128_start``'s region
+H100) from 6.69 to 6.48 ms at batch 64 and left batch 1 level; with the other three kernels
+switched on then, flash43's batch-64 step went from 21.80 to 19.83 ms): the layer's whole
+compressor after its projections in two launches, where the pooling launch sat between ``ops.c128_start``'s region
 and ``ops.c128_finish``'s ~7 kernels (the state write, the division, norm, RoPE, FP8 QAT). One program a segment starts from its slot's state,
 pools, keeps its state and finishes its entry (``c4_entries_triton.finish_entry``, the C4
 kernel's finishing); a second launch writes the slots' states (a request's last segment writes

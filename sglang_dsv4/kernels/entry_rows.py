@@ -8,9 +8,11 @@ gather-and-count one 17 us a call at batch 64 on an H100 (session 33's flash43 c
 a 22 ms step) for a few thousand integers. Here one program per token does the lookup, the
 padding and the count: the same integers (tested against the torch region under the
 interpreter; ``tests/kernels/test_entry_rows_gpu.py`` on the GPU). Shapes only decide the
-launch (CUDA graphs). On by default since session 36 (``SGLANG_DSV4_ENTRY_ROWS_KERNEL=0`` keeps the region; the
-GPU test passed on an H200 in session 35): alone it took flash8's step (1K, fp8, graphs, H100) from
-3.27 to 3.16 ms at batch 1 and left batch 64 level (pipelined 5.74 against 5.75 ms); flash43's batch-64 step (H100, session 36) went from 21.80 to 19.83 ms with it and the other three kernels switched on then.
+launch (CUDA graphs). On by default since session 36 (``SGLANG_DSV4_ENTRY_ROWS_KERNEL=0`` keeps
+the region; the GPU test passed on an H200 in session 35): alone it took flash8's step (1K, fp8,
+graphs, H100) from 3.27 to 3.16 ms at batch 1 and left batch 64 level (pipelined 5.74 against
+5.75 ms); with the other three kernels switched on then, flash43's batch-64 step went from 21.80
+to 19.83 ms.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ V4-Flash's 256 experts at 256 tokens get 6 each (64-row blocks: ~10x the rows' M
 times; 64-row blocks 1.7-1.8x faster per GEMM, ``fp8_h200.md`` session 12). ``EXPERT_BLOCKS``
 (on by default since session 36, ``SGLANG_DSV4_EXPERT_BLOCKS=0`` off) takes 64 rows from 32 pairs
 an expert on average, 16 below; the flash8 (32 experts) cases keep their blocks at batch 1 to 256
-(its step at batch 1 was level with it), and flash43's batch-64 step (H100, session 36) went from 21.80 to 19.83 ms with it and the other three kernels switched on then.
+(its step at batch 1 was level with it); with the other three kernels switched on then (session
+36, H100), flash43's batch-64 step went from 21.80 to 19.83 ms.
 
 Shapes depend only on (T, k, local experts): no host sync, CUDA-graph capturable. Pairs routed
 to experts another rank holds (expert parallelism) are dropped; their output is zero.

@@ -13,7 +13,8 @@ Each row's arithmetic depends on the hidden width alone (the slices, the dot's K
 block of 16 rows, the blocks of dims), never on how many rows the batch holds: a row is the same
 bits alone or in any batch, as the chunk-invariance contract asks. The mixes' dot products take
 ``PRECISION`` ("tf32x3": three TF32 tensor-core products, fp32-level error, SGLang's choice for
-the same dot; the fp32 FMA dot, "ieee", made launch 1 1.5x slower on an H100, session 36).
+the same dot; with the fp32 FMA dot, "ieee", a boundary took 31.1 us against 21.3 at batch 1 on
+an H100, session 36).
 """
 
 import triton
@@ -50,11 +51,11 @@ def _mix_dot(hk, Fn, k: tl.constexpr, cols, col_ok, d, d_ok, fn_stride, D: tl.co
 
 @triton.jit
 def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
-                     T, f_stride, fp_stride, fn_stride,
-                     D: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
-                     POST: tl.constexpr, PLUS: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                    T, f_stride, fp_stride, fn_stride,
+                    D: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr,
+                    POST: tl.constexpr, PLUS: tl.constexpr, PRECISION: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Program (m, s): rows m * BLOCK_M.. and dims s * D_BLOCKS * BLOCK_D.. of each of the four streams.
 
     With POST: h'[t, k] = Post[t, k] * (F[t] (+ FPlus[t])) + sum_j Comb[t, j, k] H[t, j] (the sum in
@@ -135,9 +136,9 @@ def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
 
 @triton.jit
 def pre_finish_kernel(PartMix, PartGram, HNew, Scale, Base, Norm, Y, Post, Comb,
-                            T, inv_k, eps, N_SLICES: tl.constexpr,
-                            D: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr,
-                            ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
+                      T, inv_k, eps, N_SLICES: tl.constexpr,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr,
+                      ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, c): token t's mixes and Gram matrix from the slices' partials (added in slice
     order, unrolled so their loads are in flight together), times the streams' RMS scale; pre / post
     / comb as ``ops.hc_split_torch`` (sigmoids; a row softmax, then Sinkhorn from a column

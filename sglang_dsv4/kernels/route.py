@@ -1,4 +1,5 @@
-"""The MoE router's selection on the GPU as one Triton launch (on by default, ``SGLANG_DSV4_ROUTE_KERNEL=0`` off).
+"""The MoE router's selection on the GPU as one Triton launch (on by default,
+``SGLANG_DSV4_ROUTE_KERNEL=0`` off).
 
 ``ops.route_tokens`` turns a token's router logits (x @ gate.T) into its experts and gates:
 sqrt(softplus) scores, the top k of scores + bias (or the token's fixed experts in a hash-routed
@@ -12,7 +13,8 @@ torch's, so a gate can differ in its last bits and a near-tie of scores can rout
 expert (tested against the torch ops under the interpreter; ``tests/kernels/test_route_gpu.py``
 against the fused region on the GPU, passed on an H200 in session 35). On by default since session
 36: alone it took flash8's step (1K, fp8, graphs, H100) from 3.27 to 3.15 ms at batch 1 and 6.69 to
-6.57 at 64; flash43's batch-64 step (H100, session 36) went from 21.80 to 19.83 ms with it and the other three kernels switched on then.
+6.57 at 64; with the other three kernels switched on then, flash43's batch-64 step went from
+21.80 to 19.83 ms.
 """
 
 from __future__ import annotations

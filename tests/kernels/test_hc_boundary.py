@@ -1,9 +1,9 @@
 """``kernels.hc_boundary``: a sublayer boundary (``ops.hc_post`` then ``ops.hc_pre`` with its norm)
 in two launches against the torch ops, interpreted on the CPU: widths of one K tile, a ragged last
-tile, several slices of several tiles, launch 2 in blocks of 128 dims; with the MoE's second output part and without; the first
-sublayer's (no output to expand); a row alone against the same row in a batch (the same bits:
-the slicing follows the width only). Then a micro model's logits with the kernel on against off.
-With the switch off ``ops.hc_boundary`` runs the torch ops."""
+tile, several slices of several tiles, launch 2 in blocks of 128 dims; with the MoE's second output
+part and without; the first sublayer's (no output to expand); a row alone against the same row in
+a batch (the same bits: the slicing follows the width only). Then a micro model's logits with the
+kernel on against off. With the switch off ``ops.hc_boundary`` runs the torch ops."""
 
 from __future__ import annotations
 
