@@ -1,7 +1,7 @@
 """Tile configurations of the fp8 block GEMM (``kernels.fp8_linear``) at decode shapes, on the GPU.
 
     python -m benchmarks.bench_fp8_gemm [--tokens 1,64,256] [--experts 32,8] [--dense-tokens 1,64,256]
-        [--stages 3,4] [--reps 30] [--cublas] [--swiglu] [--blocks]
+        [--stages 3,4] [--reps 30] [--cublas] [--swiglu [--swiglu-configs 4/3,8/4]] [--blocks] [--wo-a]
 
 Times ``fp8_gemm`` on V4-Flash's dense projection shapes and on the routed experts' two grouped
 GEMMs (k = 6 of E experts, random routing, the row layout of ``fp8_moe``), once with the
@@ -15,7 +15,8 @@ instead, the dense shapes with the shipped Triton kernel against cuBLAS's block-
 instead, the routed experts' GEMM 1 and the SwiGLU region after it against GEMM 1 with the
 SwiGLU as its epilogue (``fp8_moe.swiglu_gemm``, on by default, ``SGLANG_DSV4_MOE_FUSED_SWIGLU=0`` off). ``--blocks``:
 instead, the experts' whole pass with the rows per expert block by pair count (the default)
-against by pairs per expert (``fp8_moe.EXPERT_BLOCKS``). Weights are
+against by pairs per expert (``fp8_moe.EXPERT_BLOCKS``). ``--wo-a``: instead, V4's grouped wo_a
+in bf16 (the model's einsum) against fp8 (``fp8_grouped_linear``) and the latter's tiles. Weights are
 rotated through copies larger than the L2, as the layers of a step are. A harness: what a
 configuration costs decides ``_config``; nothing here is imported by the package.
 """
@@ -151,12 +152,16 @@ def cublas_table(tokens: list[int], reps: int, bw: float, g: torch.Generator) ->
               f"{diff:.1e} |", flush=True)
 
 
-def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator) -> None:
-    """GEMM 1 + ``_gated_swiglu_quantised`` (what ships) against ``swiglu_gemm`` (one launch), the
-    shipped row layout, side by side; where the epilogue does not fit (K would be split) no row."""
+def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator,
+                 configs: list[tuple[int, int]] = ()) -> None:
+    """GEMM 1 + ``_gated_swiglu_quantised`` against ``swiglu_gemm`` (one launch, what ships), the
+    shipped row layout, side by side; where the epilogue does not fit (K would be split) no row.
+    ``configs``: (warps, stages) launches of ``swiglu_gemm`` timed beside the shipped one (the
+    same bits: a launch shape changes no arithmetic), one column each."""
+    extra = "".join(f" w{w}/s{st} us |" for w, st in configs)
     print("| experts | tokens | block_m | GEMM 1 + SwiGLU us | epilogue us | speed-up | roofline us "
-          "| epilogue / roofline | bytes differing |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"| epilogue / roofline | bytes differing |{extra}")
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(configs))
     for E in experts:
         w13 = [random_fp8((E, 2 * INTER, DIM), g) for _ in range(max(2, math.ceil(2 * L2_BYTES / (E * 2 * INTER * DIM))))]
         stack = [fp8_moe.Fp8Experts(w, w, INTER) for w in w13]  # GEMM 1 reads w13 alone
@@ -183,8 +188,53 @@ def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g:
             base, us = time_us(two_step, reps), time_us(fused, reps)
             used = int(torch.unique(chosen).numel())
             roof = used * 2 * INTER * DIM / bw * 1e6
+            shapes = []
+            for w, st in configs:
+                fp8_moe.SWIGLU_WARPS, fp8_moe.SWIGLU_STAGES = w, st
+                try:
+                    shapes.append(f"{time_us(fused, reps):.1f}")
+                except Exception as e:  # out of shared memory / registers: not a candidate
+                    shapes.append(type(e).__name__)
+                finally:
+                    fp8_moe.SWIGLU_WARPS, fp8_moe.SWIGLU_STAGES = 0, 3
             print(f"| {E} | {t} | {A} | {base:.1f} | {us:.1f} | {base / us:.2f}x | {roof:.1f} | {us / roof:.2f} | "
-                  f"{differ.item():.1e} |", flush=True)
+                  f"{differ.item():.1e} |" + "".join(f" {c} |" for c in shapes), flush=True)
+
+
+WO_A = (8, 1024, 4096)  # V4-Flash's wo_a: o_groups x o_lora_rank x (heads x head_dim / o_groups)
+
+
+def wo_a_table(tokens: list[int], reps: int, bw: float, g: torch.Generator, stages: list[int]) -> None:
+    """V4-Flash's grouped wo_a (``ops.attention_output``): bf16 weights through the model's einsum
+    against fp8 weights through ``fp8_grouped_linear`` (``SGLANG_DSV4_WO_A_FP8=1``), side by side,
+    then the fp8 GEMM's tile configurations (BLOCK_N, warps, stages; its BLOCK_M is the caller's),
+    each against its own bytes: the weight read once, over the copy bandwidth."""
+    G, R, K = WO_A
+    copies = max(2, math.ceil(2 * L2_BYTES / (G * R * K)))
+    w16 = [torch.randn(G, R, K, generator=g, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    w8 = [random_fp8((G * R, K), g) for _ in range(copies)]
+    tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) for bn in (64, 128) for nw in (4, 8) for ns in stages]
+    print("| tokens | bf16 einsum us | bf16 / roofline | fp8 grouped us | fp8 / roofline | fp8 speed-up "
+          "| best fp8 us | best config | best / roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for t in tokens:
+        x = torch.randn(t, G, K, generator=g, device="cuda", dtype=torch.bfloat16)
+        i16, i8 = itertools.cycle(w16), itertools.cycle(w8)
+        b16 = time_us(lambda: torch.einsum("tgd,grd->tgr", x, next(i16)), reps)
+        b8 = time_us(lambda: fp8_mod.fp8_grouped_linear(x, next(i8)), reps)
+        best = (b8, "shipped")
+        for cfg in tiles:
+            with Override(cfg):
+                try:
+                    us = time_us(lambda: fp8_mod.fp8_grouped_linear(x, next(i8)), reps)
+                except Exception as e:  # out of shared memory / registers: not a candidate
+                    print(f"  wo_a T={t} {cfg}: {type(e).__name__}")
+                    continue
+            if us < best[0]:
+                best = (us, f"n={cfg['BLOCK_N']} w={cfg['num_warps']} s={cfg['num_stages']}")
+        r16, r8 = G * R * K * 2 / bw * 1e6, G * R * K / bw * 1e6
+        print(f"| {t} | {b16:.1f} | {b16 / r16:.2f} | {b8:.1f} | {b8 / r8:.2f} | {b16 / b8:.2f}x | {best[0]:.1f} | "
+              f"{best[1]} | {best[0] / r8:.2f} |", flush=True)
 
 
 def blocks_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator) -> None:
@@ -238,6 +288,10 @@ def main() -> None:
                          "expert (fp8_moe.EXPERT_BLOCKS), only")
     ap.add_argument("--swiglu", action="store_true",
                     help="the experts' GEMM 1 + SwiGLU region against GEMM 1 with the SwiGLU epilogue, only")
+    ap.add_argument("--wo-a", action="store_true",
+                    help="the grouped wo_a, bf16 einsum against the fp8 grouped GEMM and its tiles, only")
+    ap.add_argument("--swiglu-configs", default="",
+                    help="with --swiglu: warps/stages launches of the epilogue GEMM also timed, e.g. 4/3,8/4")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -245,10 +299,13 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     if args.cublas:
         return cublas_table([int(t) for t in args.dense_tokens.split(",")], args.reps, bw, g)
+    if args.wo_a:
+        return wo_a_table(tokens, args.reps, bw, g, [int(s) for s in args.stages.split(",")])
     if args.blocks:
         return blocks_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g)
     if args.swiglu:
-        return swiglu_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g)
+        configs = [tuple(int(v) for v in c.split("/")) for c in args.swiglu_configs.split(",") if c]
+        return swiglu_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g, configs)
     tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=int(ns)) for bn in (64, 128, 256) for nw in (4, 8)
              for ns in args.stages.split(",")]
     rows = []

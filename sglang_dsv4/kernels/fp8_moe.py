@@ -79,6 +79,9 @@ FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "1") == "1"
 # Whether the rows per expert block follow the pairs a local expert gets (module docstring); read
 # per call; on by default (``bench_fp8_gemm --blocks``, ``bench_decode --switches``).
 EXPERT_BLOCKS = os.environ.get("SGLANG_DSV4_EXPERT_BLOCKS", "1") == "1"
+# The SwiGLU GEMM's launch: warps (0: 8 for 64-row blocks, else 4) and pipeline stages; read per
+# launch (``bench_fp8_gemm --swiglu --swiglu-configs`` times others)
+SWIGLU_WARPS, SWIGLU_STAGES = 0, 3
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ def swiglu_gemm(xq: Tensor, xs: Tensor, experts: Fp8Experts, token_of_row: Tenso
         xq.stride(0), xs.stride(0), w.q.stride(0), w.q.stride(1), w.scale.stride(0), w.scale.stride(1),
         yq.stride(0), ys.stride(0),
         CLAMP=limit > 0, BLOCK_M=block_m, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8,
-        num_warps=8 if block_m >= 64 else 4, num_stages=3, **pdl_options(xq))
+        num_warps=SWIGLU_WARPS or (8 if block_m >= 64 else 4), num_stages=SWIGLU_STAGES, **pdl_options(xq))
     return yq, ys
 
 
