@@ -1,7 +1,7 @@
 """Tile configurations of the fp8 block GEMM (``kernels.fp8_linear``) at decode shapes, on the GPU.
 
     python -m benchmarks.bench_fp8_gemm [--tokens 1,64,256] [--experts 32,8] [--dense-tokens 1,64,256]
-        [--stages 3,4] [--reps 30] [--cublas] [--swiglu [--swiglu-configs 4/3,8/4]] [--blocks] [--wo-a]
+        [--stages 3,4] [--reps 30] [--cublas] [--swiglu [--swiglu-configs 4/3,8/4] [--swiglu-everywhere]] [--blocks] [--wo-a]
 
 Times ``fp8_gemm`` on V4-Flash's dense projection shapes and on the routed experts' two grouped
 GEMMs (k = 6 of E experts, random routing, the row layout of ``fp8_moe``), once with the
@@ -153,11 +153,12 @@ def cublas_table(tokens: list[int], reps: int, bw: float, g: torch.Generator) ->
 
 
 def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator,
-                 configs: list[tuple[int, int]] = ()) -> None:
+                 configs: list[tuple[int, int]] = (), everywhere: bool = False) -> None:
     """GEMM 1 + ``_gated_swiglu_quantised`` against ``swiglu_gemm`` (one launch, what ships), the
     shipped row layout, side by side; where the epilogue does not fit (K would be split) no row.
     ``configs``: (warps, stages) launches of ``swiglu_gemm`` timed beside the shipped one (the
-    same bits: a launch shape changes no arithmetic), one column each."""
+    same bits: a launch shape changes no arithmetic), one column each. ``everywhere``: also where
+    the epilogue does not fit (the two-step path then splits K, the epilogue does not)."""
     extra = "".join(f" w{w}/s{st} us |" for w, st in configs)
     print("| experts | tokens | block_m | GEMM 1 + SwiGLU us | epilogue us | speed-up | roofline us "
           f"| epilogue / roofline | bytes differing |{extra}")
@@ -169,7 +170,7 @@ def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g:
             chosen = torch.rand(t, E, generator=g, device="cuda").topk(min(TOPK, E), -1).indices.int()
             gates = torch.rand(chosen.shape, generator=g, device="cuda")
             A, M = fp8_moe.grouped_rows(chosen.numel(), E)
-            if not fp8_moe.swiglu_epilogue_fits(M, stack[0], A, chosen.device):
+            if not (everywhere or fp8_moe.swiglu_epilogue_fits(M, stack[0], A, chosen.device)):
                 print(f"| {E} | {t} | {A} | | (K split: not fused) | | | | |")
                 continue
             tok, be, _, gr = fp8_moe._row_layout(chosen, gates, 0, E, A, M)
@@ -290,6 +291,8 @@ def main() -> None:
                     help="the experts' GEMM 1 + SwiGLU region against GEMM 1 with the SwiGLU epilogue, only")
     ap.add_argument("--wo-a", action="store_true",
                     help="the grouped wo_a, bf16 einsum against the fp8 grouped GEMM and its tiles, only")
+    ap.add_argument("--swiglu-everywhere", action="store_true",
+                    help="with --swiglu: also the cases where the epilogue does not fit (K split)")
     ap.add_argument("--swiglu-configs", default="",
                     help="with --swiglu: warps/stages launches of the epilogue GEMM also timed, e.g. 4/3,8/4")
     args = ap.parse_args()
@@ -305,7 +308,8 @@ def main() -> None:
         return blocks_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g)
     if args.swiglu:
         configs = [tuple(int(v) for v in c.split("/")) for c in args.swiglu_configs.split(",") if c]
-        return swiglu_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g, configs)
+        return swiglu_table(tokens, [int(e) for e in args.experts.split(",")], args.reps, bw, g, configs,
+                            args.swiglu_everywhere)
     tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=int(ns)) for bn in (64, 128, 256) for nw in (4, 8)
              for ns in args.stages.split(",")]
     rows = []

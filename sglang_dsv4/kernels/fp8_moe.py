@@ -79,6 +79,11 @@ FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "1") == "1"
 # Whether the rows per expert block follow the pairs a local expert gets (module docstring); read
 # per call; on by default (``bench_fp8_gemm --blocks``, ``bench_decode --switches``).
 EXPERT_BLOCKS = os.environ.get("SGLANG_DSV4_EXPERT_BLOCKS", "1") == "1"
+# Whether GEMM 1 takes the SwiGLU epilogue wherever its grid fills the SMs once, rather than only
+# where ``split_k`` leaves K whole (about two waves): a 43-layer model's 8 experts at 16-64 tokens
+# fill one wave of 128-column programs, which the split runs as two half-K waves and a region
+# (``swiglu_epilogue_fits``); read per call, opt-in until a step measures it
+SWIGLU_ONE_WAVE = os.environ.get("SGLANG_DSV4_SWIGLU_ONE_WAVE", "0") == "1"
 # The SwiGLU GEMM's launch: warps (0: 8 for 64-row blocks, else 4) and pipeline stages; read per
 # launch (``bench_fp8_gemm --swiglu --swiglu-configs`` times others)
 SWIGLU_WARPS, SWIGLU_STAGES = 0, 3
@@ -211,10 +216,13 @@ def _gated_swiglu_quantised(h: Tensor, gate_of_row: Tensor, inter: int, inter_pa
 def swiglu_epilogue_fits(num_rows: int, experts: Fp8Experts, block_m: int, device: torch.device) -> bool:
     """Whether GEMM 1 of ``num_rows`` rows can take the SwiGLU as its epilogue here: the kernel
     runs (CUDA, or the interpreter) and its tiles (``block_m`` rows x 128 w1 and 128 w3 columns)
-    fill the SMs without splitting K. Shapes only (CUDA graphs)."""
+    fill the SMs without splitting K (with ``SWIGLU_ONE_WAVE``: fill them once). Shapes only (CUDA
+    graphs)."""
     if not runs_kernel(device):
         return False
     tiles = -(-num_rows // block_m) * (experts.inter_padded // FP8_WEIGHT_BLOCK)
+    if SWIGLU_ONE_WAVE:
+        return tiles >= sm_count(device)
     return split_k(tiles, -(-experts.w13.q.shape[-1] // FP8_WEIGHT_BLOCK), sm_count(device))[0] == 1
 
 
@@ -251,5 +259,5 @@ def _sum_slots(out: Tensor, dest_of_pair: Tensor, k: int, dtype: torch.dtype) ->
     return pairs.view(-1, k, out.shape[1]).sum(1)
 
 
-__all__ = ["EXPERT_BLOCKS", "FOLD_SHARED", "FUSED_SWIGLU", "Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows",
+__all__ = ["EXPERT_BLOCKS", "FOLD_SHARED", "FUSED_SWIGLU", "SWIGLU_ONE_WAVE", "Fp8Experts", "stack_fp8_experts", "fp8_grouped_experts", "block_rows",
            "grouped_rows", "swiglu_epilogue_fits", "swiglu_gemm"]
