@@ -527,6 +527,11 @@ for E, D, I, T, k, limit in [(6, 256, 160, 19, 3, 10.0), (4, 384, 256, 40, 2, 0.
 # K of 8 blocks over few tiles splits (fp8_linear.split_k): the epilogue does not fit there
 stack, _ = stack_fp8_experts([mk(128, 1024)], [mk(128, 1024)], [mk(1024, 128)])
 worst += int(swiglu_epilogue_fits(32, stack, 16, torch.device("cpu")))
+# 140 tiles (one wave of the interpreter's 132 SMs, short of two): K splits, unless SWIGLU_ONE_WAVE
+worst += int(swiglu_epilogue_fits(16 * 140, stack, 16, torch.device("cpu")))
+fp8_moe.SWIGLU_ONE_WAVE = True
+worst += int(not swiglu_epilogue_fits(16 * 140, stack, 16, torch.device("cpu")))
+worst += int(swiglu_epilogue_fits(16 * 131, stack, 16, torch.device("cpu")))
 print("WORST", worst)
 """
 
@@ -536,7 +541,8 @@ def test_the_swiglu_epilogue_gives_the_two_step_bytes(triton_interpreted):
     interpreted, against the GEMM kernel followed by ``_gated_swiglu_quantised`` in torch: the same
     scales and e4m3 bytes (clamped and unclamped, padded w1 | w3, padding rows and blocks, pairs
     held elsewhere), so the routed experts' output with ``FUSED_SWIGLU`` is the same tensor; and
-    where K would be split the epilogue is not taken."""
+    where K would be split the epilogue is not taken (with ``SWIGLU_ONE_WAVE``: where the grid
+    fills the SMs once, split or not)."""
     assert triton_interpreted(_SWIGLU_EPILOGUE) == 0
 
 
