@@ -46,7 +46,9 @@ fp8_swiglu_gemm_kernel``, on by default, ``SGLANG_DSV4_MOE_FUSED_SWIGLU=0`` off)
 128 w1 and the matching 128 w3 columns of its rows, so the activation's quantisation group is whole
 in it. GEMM 1's float32 output (a write and a read of [M, 2 Ip] floats a layer) and the region
 between the GEMMs go. Only where GEMM 1 needs no split of K (``split_k``; from about 8 tokens a step
-at V4-Flash's sizes): a split's partial sums would have to meet before the SwiGLU.
+at V4-Flash's sizes): a split's partial sums would have to meet before the SwiGLU. With
+``SWIGLU_ONE_WAVE`` (opt-in) also where its grid fills the SMs once though ``split_k`` would split
+(8 experts at 4-64 tokens): the kernel then sums all of K itself.
 """
 
 from __future__ import annotations
