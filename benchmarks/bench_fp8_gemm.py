@@ -189,7 +189,7 @@ def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g:
             base, us = time_us(two_step, reps), time_us(fused, reps)
             used = int(torch.unique(chosen).numel())
             roof = used * 2 * INTER * DIM / bw * 1e6
-            shapes = []
+            shapes, shipped = [], (fp8_moe.SWIGLU_WARPS, fp8_moe.SWIGLU_STAGES)
             for w, st in configs:
                 fp8_moe.SWIGLU_WARPS, fp8_moe.SWIGLU_STAGES = w, st
                 try:
@@ -197,7 +197,7 @@ def swiglu_table(tokens: list[int], experts: list[int], reps: int, bw: float, g:
                 except Exception as e:  # out of shared memory / registers: not a candidate
                     shapes.append(type(e).__name__)
                 finally:
-                    fp8_moe.SWIGLU_WARPS, fp8_moe.SWIGLU_STAGES = 0, 3
+                    fp8_moe.SWIGLU_WARPS, fp8_moe.SWIGLU_STAGES = shipped
             print(f"| {E} | {t} | {A} | {base:.1f} | {us:.1f} | {base / us:.2f}x | {roof:.1f} | {us / roof:.2f} | "
                   f"{differ.item():.1e} |" + "".join(f" {c} |" for c in shapes), flush=True)
 

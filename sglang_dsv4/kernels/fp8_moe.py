@@ -82,7 +82,7 @@ FUSED_SWIGLU = os.environ.get("SGLANG_DSV4_MOE_FUSED_SWIGLU", "1") == "1"
 # per call; on by default (``bench_fp8_gemm --blocks``, ``bench_decode --switches``).
 EXPERT_BLOCKS = os.environ.get("SGLANG_DSV4_EXPERT_BLOCKS", "1") == "1"
 # Whether GEMM 1 takes the SwiGLU epilogue wherever its grid fills the SMs once, rather than only
-# where ``split_k`` leaves K whole (about two waves): a 43-layer model's 8 experts at 16-64 tokens
+# where ``split_k`` leaves K whole (about two waves): a 43-layer model's 8 experts at 4-64 tokens
 # fill one wave of 128-column programs, which the split runs as two half-K waves and a region
 # (``swiglu_epilogue_fits``); read per call, opt-in until a step measures it
 SWIGLU_ONE_WAVE = os.environ.get("SGLANG_DSV4_SWIGLU_ONE_WAVE", "0") == "1"
