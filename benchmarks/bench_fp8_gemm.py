@@ -295,6 +295,8 @@ def main() -> None:
                     help="with --swiglu: also the cases where the epilogue does not fit (K split)")
     ap.add_argument("--swiglu-configs", default="",
                     help="with --swiglu: warps/stages launches of the epilogue GEMM also timed, e.g. 4/3,8/4")
+    ap.add_argument("--all", action="store_true",
+                    help="the tile sweep: print every configuration's time, not only the best")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -335,6 +337,8 @@ def main() -> None:
                 diff = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item() \
                     if out.shape == ref.shape else float("nan")
                 label = f"bm={bm} n={cfg['BLOCK_N']} w={cfg['num_warps']} s={cfg['num_stages']}"
+                if args.all:
+                    print(f"  {name} T={t} {label}: {us:.1f} us ({base / us:.2f}x the shipped), max rel diff {diff:.1e}")
                 if us < best[0]:
                     best = (us, label, diff)
                 if bm == shipped_bm and us < same[0]:

@@ -501,6 +501,7 @@ from sglang_dsv4.quant import quantize_fp8_blockwise
 torch.manual_seed(0)
 mk = lambda n, k: Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(n, k) * k ** -0.5))
 worst = 0
+fp8_moe.SWIGLU_ONE_WAVE = False  # the rule where K stays whole (a few tiles here); the one-wave rule last
 # I = 160: w1 | w3 padded to 256 rows each; limit 0: no clamp; 0.5: most values clamped; experts
 # 1..E held of 0..E+1 (pairs held elsewhere); 64-row blocks past the last group (-1)
 for E, D, I, T, k, limit in [(6, 256, 160, 19, 3, 10.0), (4, 384, 256, 40, 2, 0.0), (5, 256, 128, 7, 2, 0.5)]:
