@@ -160,13 +160,25 @@ def triton_missing() -> str | None:
     return None
 
 
-def _config(M: int, N: int, block_m: int | None, grouped: bool = False) -> dict[str, int]:
-    if grouped and block_m == 16:
+def _config(M: int, N: int, block_m: int | None, experts: int = 0) -> dict[str, int]:
+    """The tile launch of an [M, N] GEMM: dense (``experts`` 0) or grouped over ``experts`` weight
+    matrices in blocks of ``block_m`` rows. Shapes only (CUDA graphs)."""
+    if experts and block_m == 16:
         # the routed experts at decode sizes: 64-column tiles, 4 stages. Graph-timed on an H200
         # against the dense rule below (benchmarks/bench_fp8_gemm.py, session 12): w13 / w2 1.27x /
         # 1.43x at 1 token (32 experts), 1.19x / 1.39x (8 experts), 1.05x / 1.04x at 64 tokens
         # (32 experts), the best of 36 tile configurations in those cases
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8, num_warps=4, num_stages=4)
+    if experts and block_m == 64:
+        # 64-row expert blocks, 4 warps, 4 stages; 64 columns where an expert's rows fill about one
+        # block (its weights read by one row block: more, narrower programs stream them), 128 where
+        # they fill several (row blocks of one expert share its weight tiles through the L2).
+        # H100, bench_fp8_gemm --all (session 38), against the dense rule below: w13 / w2 1.25x /
+        # 1.26x at 8 experts and 64 tokens (48 pairs an expert), 1.09x / 1.21x at 32 experts and
+        # 256 tokens (48), 1.04x / 1.00x at 8 experts and 256 tokens (192, 128 columns; 64
+        # columns there 0.82x / 0.83x), the best of 18 tiles in each case
+        block_n = 64 if M < 2 * block_m * experts else 128
+        return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=FP8_WEIGHT_BLOCK, GROUP_M=8, num_warps=4, num_stages=4)
     if block_m is None:
         block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     # few output tiles (a narrow matrix at a small batch): narrower tiles, more programs
@@ -201,10 +213,11 @@ def split_k(tiles: int, k_blocks: int, sms: int) -> tuple[int, int]:
     return math.ceil(k_blocks / per), per
 
 
-def _plan(M: int, N: int, K: int, block_m: int | None, grouped: bool,
+def _plan(M: int, N: int, K: int, block_m: int | None, experts: int,
           device: torch.device) -> tuple[dict[str, int], int, int, int]:
-    """A GEMM's launch, from shapes only: (tile config, output tiles, K splits, K blocks a split)."""
-    cfg = _config(M, N, block_m, grouped)
+    """A GEMM's launch, from shapes only: (tile config, output tiles, K splits, K blocks a split);
+    ``experts``: the grouped GEMM's weight matrices (0: dense)."""
+    cfg = _config(M, N, block_m, experts)
     tiles = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
     splits, per = split_k(tiles, -(-K // cfg["BLOCK_K"]), sm_count(device))
     return cfg, tiles, splits, per
@@ -248,7 +261,7 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
         return c
     wq = w.q if grouped else w.q.unsqueeze(0)
     ws = w.scale if grouped else w.scale.unsqueeze(0)
-    cfg, tiles, splits, per = _plan(M, N, K, block_m, grouped, a_q.device)
+    cfg, tiles, splits, per = _plan(M, N, K, block_m, wq.shape[0] if grouped else 0, a_q.device)
     part = c if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=a_q.device)
     dummy = rows if rows is not None else (block_expert if grouped else c)
     fp8_block_gemm_kernel[(tiles, splits)](
@@ -286,7 +299,7 @@ def _fp8_gemm_shape(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype:
     N, K = wq.shape[-2:]
     M = m if m is not None else (rows.shape[0] if rows is not None else a_q.shape[0])
     if M and runs_kernel(a_q.device) and not sum_splits and not cublas:
-        splits = _plan(M, N, K, block_m, block_expert is not None, a_q.device)[2]
+        splits = _plan(M, N, K, block_m, wq.shape[0] if block_expert is not None else 0, a_q.device)[2]
         if splits > 1:
             return a_q.new_empty(splits, M, N, dtype=torch.float32)
     return a_q.new_empty(M, N, dtype=out_dtype)
