@@ -265,9 +265,9 @@ def hc_boundary(h: Tensor, done: SublayerOutput | None, fn: Tensor, base: Tensor
     """The streams after the finished sublayer ``done`` (``hc_post``; h itself where None), and the
     next sublayer's input from them (``hc_pre`` with its ``norm``) -> (streams, y, post, comb).
 
-    With ``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1`` on a GPU that is two Triton launches
-    (``kernels.hc_boundary``) instead of hc_post's region, SGLang's two kernels and the weighted
-    norm's region; the same ops as ever elsewhere."""
+    On a GPU, up to ``kernels.hc_boundary.MAX_ROWS`` rows (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``:
+    never), that is two Triton launches (``kernels.hc_boundary``) instead of hc_post's region,
+    SGLang's two kernels and the weighted norm's region; the same ops as ever elsewhere."""
     if hc_boundary_kernel.supported(h, fn, norm, cfg, done.f if done else None, done.f_plus if done else None):
         if done is None:
             return hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg)

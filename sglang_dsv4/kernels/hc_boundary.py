@@ -22,13 +22,17 @@ row's bits depend on the width alone, not the batch. Tested against the torch op
 interpreter (``tests/kernels/test_hc_boundary.py``) and on the GPU
 (``tests/kernels/test_hc_boundary_gpu.py``: passed in session 35 with the first shapes below, the
 model test's bounds since loosened, not yet run with these shapes).
-Opt-in (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``, ``bench_decode --switches hc_boundary_kernel``):
-graph-replayed (``benchmarks/bench_hc_boundary.py``), the first shapes (32 slices, an fp32 FMA dot,
-a program a token with 8 warps for launch 2) took 30.8 / 33.2 / 95.9 us a boundary at batch 1 / 64
-/ 256 on an H200 (session 35) against the default path's four launches at 13.7 / 21.3 / 48.7;
+Graph-replayed (``benchmarks/bench_hc_boundary.py``), the first shapes (32 slices, an fp32 FMA
+dot, a program a token with 8 warps for launch 2) took 30.8 / 33.2 / 95.9 us a boundary at batch 1
+/ 64 / 256 on an H200 (session 35) against the default path's four launches at 13.7 / 21.3 / 48.7;
 these (the constants below) 13.6 / 17.4 / 65.0 against 13.7 / 21.9 / 54.4 on an H100 (session 36,
 within 4e-7 of the default path's values): level, 1.26x and 0.84x. Eager, launch 1 is most of
 the time; at 256 rows it is slower than the default path's post and mixes kernels together.
+So it is on by default up to ``MAX_ROWS`` rows (decode batches to 64, and every piece of the
+deterministic mode, whose forwards are 64 rows each), the torch ops above them
+(``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``: the torch ops everywhere). Its GPU tests passed with these
+shapes on an H100 in session 38, where the step (1K, fp8, graphs) went from 17.62 to 17.28 ms
+with it at flash43's batch 64 and from 5.84 to 5.78 ms at flash8's.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from ..config import V4Config
 from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
-# opt-in: slower than the default path at 256 rows (module docstring); read per call
-ENABLED = os.environ.get("SGLANG_DSV4_HC_BOUNDARY_KERNEL", "0") == "1"
+# on by default up to MAX_ROWS rows (module docstring); both read per call
+ENABLED = os.environ.get("SGLANG_DSV4_HC_BOUNDARY_KERNEL", "1") == "1"
+MAX_ROWS = 64  # level at 1 row, 1.26x at 64, 0.84x at 256 (session 36, H100): the torch ops above
 BLOCK_M = 16   # rows a launch-1 program takes (a dot's least M); fixed, so a row's bits are the batch's
 # Launch shapes, measured side by side on an H100 in session 36 (``bench_hc_boundary --variants``,
 # which sets these): 64 slices of one tile against 32 of two, 13.6 against 19.4 us at batch 1;
@@ -65,16 +70,16 @@ def slicing(d: int) -> tuple[int, int]:
 
 def supported(h: Tensor, fn: Tensor, norm: Tensor | None, cfg: V4Config, f: Tensor | None = None,
               f_plus: Tensor | None = None) -> bool:
-    """Whether ``post_pre`` takes these operands: switched on (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=1``);
-    fp32 streams [T, 4, D] (V4's four) and mixer [24, 4 * D] with unit column strides; a norm
-    weight [D]; the output ``f`` and its second part ``f_plus`` (if any) [T, D] with unit column
-    strides; a CUDA tensor (or the interpreter)."""
+    """Whether ``post_pre`` takes these operands: switched on (``ENABLED``, on by default); fp32
+    streams [T, 4, D] (V4's four; T at most ``MAX_ROWS``, shapes only for CUDA graphs) and mixer
+    [24, 4 * D] with unit column strides; a norm weight [D]; the output ``f`` and its second part
+    ``f_plus`` (if any) [T, D] with unit column strides; a CUDA tensor (or the interpreter)."""
     if not ENABLED or norm is None:
         return False
     if h.dim() != 3 or h.dtype != torch.float32 or fn.dtype != torch.float32 or not h.is_contiguous():
         return False
     T, hc, d = h.shape
-    if hc != 4 or fn.shape != ((2 + hc) * hc, hc * d) or fn.stride(1) != 1:
+    if T > MAX_ROWS or hc != 4 or fn.shape != ((2 + hc) * hc, hc * d) or fn.stride(1) != 1:
         return False
     if norm.shape != (d,) or any(t is not None and (t.shape != (T, d) or t.stride(1) != 1) for t in (f, f_plus)):
         return False
@@ -122,4 +127,4 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     return out, y, post_n, comb_n
 
 
-__all__ = ["ENABLED", "post_pre", "slicing", "supported"]
+__all__ = ["ENABLED", "MAX_ROWS", "post_pre", "slicing", "supported"]

@@ -17,7 +17,7 @@ import torch
 from sglang_dsv4.core import ops
 from sglang_dsv4.kernels import hc_boundary as kernel
 from sglang_dsv4.tiny import preset_config
-kernel.ENABLED = True  # opt-in
+kernel.ENABLED = True
 cfg = preset_config("tiny")
 g = torch.Generator().manual_seed(0)
 worst = 0.0
@@ -88,7 +88,7 @@ def test_a_model_with_the_kernel_gives_its_logits(triton_interpreted):
     assert triton_interpreted(_MODEL) < 2e-3
 
 
-def test_the_switch_off_keeps_the_torch_ops(monkeypatch):
+def test_the_switch_off_or_more_rows_keep_the_torch_ops(monkeypatch):
     from sglang_dsv4.tiny import preset_config
 
     cfg = preset_config("micro")
@@ -101,10 +101,14 @@ def test_the_switch_off_keeps_the_torch_ops(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the kernel ran")
 
-    monkeypatch.setattr(hc_boundary, "ENABLED", False)
     monkeypatch.setattr(hc_boundary, "post_pre", refuse)
-    got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
     h2 = ops.hc_post(done.f, h, done.post, done.comb)
     want = (h2, *ops.hc_pre(h2, fn, base, scale, cfg, norm=norm))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    monkeypatch.setattr(hc_boundary, "runs_on", lambda *a: True)  # as on a GPU: only the switch and the rows decide
+    assert hc_boundary.supported(h, fn, norm, cfg, done.f)
+    for switch, rows in ((False, 64), (True, T - 1)):  # switched off; more rows than MAX_ROWS
+        monkeypatch.setattr(hc_boundary, "ENABLED", switch)
+        monkeypatch.setattr(hc_boundary, "MAX_ROWS", rows)
+        got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(ops.hc_expand(h, done), h2) and ops.hc_expand(h, None) is h
