@@ -209,15 +209,16 @@ def wo_a_table(tokens: list[int], reps: int, bw: float, g: torch.Generator, stag
     """V4-Flash's grouped wo_a (``ops.attention_output``): bf16 weights through the model's einsum
     against fp8 weights through ``fp8_grouped_linear`` (``SGLANG_DSV4_WO_A_FP8=1``), side by side,
     then the fp8 GEMM's tile configurations (BLOCK_N, warps, stages; its BLOCK_M is the caller's),
-    each against its own bytes: the weight read once, over the copy bandwidth."""
+    each against its own bytes: the weight read once, over the copy bandwidth. The fp8 path's parts
+    apart: its operands (the rows grouped, padded and quantised: ``grouped_operands``), the GEMM
+    alone and its split-K sum (in the model the first and last fuse into the compiled neighbours)."""
     G, R, K = WO_A
     copies = max(2, math.ceil(2 * L2_BYTES / (G * R * K)))
     w16 = [torch.randn(G, R, K, generator=g, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
     w8 = [random_fp8((G * R, K), g) for _ in range(copies)]
     tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) for bn in (64, 128) for nw in (4, 8) for ns in stages]
-    print("| tokens | bf16 einsum us | bf16 / roofline | fp8 grouped us | fp8 / roofline | fp8 speed-up "
-          "| best fp8 us | best config | best / roofline |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    views = [Fp8Weight(w.q.view(G, R, K), w.scale.view(G, R // FP8_WEIGHT_BLOCK, -1)) for w in w8]
+    rows = []
     for t in tokens:
         x = torch.randn(t, G, K, generator=g, device="cuda", dtype=torch.bfloat16)
         i16, i8 = itertools.cycle(w16), itertools.cycle(w8)
@@ -233,9 +234,25 @@ def wo_a_table(tokens: list[int], reps: int, bw: float, g: torch.Generator, stag
                     continue
             if us < best[0]:
                 best = (us, f"n={cfg['BLOCK_N']} w={cfg['num_warps']} s={cfg['num_stages']}")
+        q, sc, _, _, group, A = fp8_mod.grouped_operands(x, w8[0])
+        iv = itertools.cycle(views)
+        ops_us = time_us(lambda: fp8_mod.grouped_operands(x, next(i8)), reps)
+        gemm = lambda: fp8_gemm(q, sc, next(iv), x.dtype, block_expert=group, block_m=A, sum_splits=False)
+        gemm_us, part = time_us(gemm, reps), gemm()
+        sum_us = time_us(lambda: fp8_mod.add_splits(part, x.dtype), reps) if part.dim() == 3 else 0.0
+        splits = part.shape[0] if part.dim() == 3 else 1
         r16, r8 = G * R * K * 2 / bw * 1e6, G * R * K / bw * 1e6
-        print(f"| {t} | {b16:.1f} | {b16 / r16:.2f} | {b8:.1f} | {b8 / r8:.2f} | {b16 / b8:.2f}x | {best[0]:.1f} | "
-              f"{best[1]} | {best[0] / r8:.2f} |", flush=True)
+        rows.append((t, b16, b16 / r16, b8, b8 / r8, b16 / b8, ops_us, gemm_us, gemm_us / r8, splits, sum_us, *best))
+        print(f"  wo_a T={t}: bf16 {b16:.1f} us, fp8 {b8:.1f} us (operands {ops_us:.1f}, GEMM {gemm_us:.1f} "
+              f"in {splits} splits, sum {sum_us:.1f}), best tile {best[0]:.1f} ({best[1]})", flush=True)
+    print("\n| tokens | bf16 einsum us | bf16 / roofline | fp8 grouped us | fp8 / roofline | fp8 speed-up "
+          "| fp8 operands us | fp8 GEMM us | GEMM / roofline | K splits | split sum us | best fp8 us | best config "
+          "| best / roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    r8 = G * R * K / bw * 1e6
+    for t, b16, q16, b8, q8, up, ops_us, gemm_us, qg, splits, sum_us, best_us, best_cfg in rows:
+        print(f"| {t} | {b16:.1f} | {q16:.2f} | {b8:.1f} | {q8:.2f} | {up:.2f}x | {ops_us:.1f} | {gemm_us:.1f} | "
+              f"{qg:.2f} | {splits} | {sum_us:.1f} | {best_us:.1f} | {best_cfg} | {best_us / r8:.2f} |")
 
 
 def blocks_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator) -> None:

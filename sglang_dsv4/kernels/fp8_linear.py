@@ -394,12 +394,8 @@ def fp8_grouped_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     if not runs_kernel(x.device):
         a = qdq_act(x.reshape(T * G, K)).view(T, G, K)
         return torch.einsum("tgk,grk->tgr", a, w.dequantize().view(G, R, K)).to(x.dtype)
-    A = block_rows_by_group(T * G, G) if isinstance(T, int) else 64  # every group holds every row
-    Tp = -(-T // A) * A
-    xg = F.pad(x.transpose(0, 1), (0, 0, 0, Tp - T)).reshape(G * Tp, K)  # group-major, each group Tp rows
-    q, s = quantize_act(xg)
-    block_group = torch.arange(G * Tp // A, device=x.device, dtype=torch.int32) // (Tp // A)
-    wq, ws = w.q.view(G, R, K), w.scale.view(G, R // FP8_WEIGHT_BLOCK, -1)
+    q, s, wq, ws, block_group, A = grouped_operands(x, w)
+    Tp = q.shape[0] // G
     if torch.compiler.is_compiling() and isinstance(T, int):
         out = fp8_gemm_op(q, s, wq, ws, x.dtype, block_expert=block_group, block_m=A, sum_splits=False)
     else:
@@ -409,12 +405,26 @@ def fp8_grouped_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     return out.view(G, Tp, R)[:, :T].transpose(0, 1)
 
 
+def grouped_operands(x: Tensor, w: Fp8Weight) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """``fp8_grouped_linear``'s GEMM operands on the GPU: x [T, G, K] group-major with each group's
+    rows padded to whole blocks and quantised (q, s), w as [G, R, K] (wq, ws), each block's group
+    (block_group) and the rows a block holds (A)."""
+    T, G, K = x.shape
+    R = w.q.shape[0] // G
+    A = block_rows_by_group(T * G, G) if isinstance(T, int) else 64  # every group holds every row
+    Tp = -(-T // A) * A
+    xg = F.pad(x.transpose(0, 1), (0, 0, 0, Tp - T)).reshape(G * Tp, K)  # group-major, each group Tp rows
+    q, s = quantize_act(xg)
+    block_group = torch.arange(G * Tp // A, device=x.device, dtype=torch.int32) // (Tp // A)
+    return q, s, w.q.view(G, R, K), w.scale.view(G, R // FP8_WEIGHT_BLOCK, -1), block_group, A
+
+
 def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
     """The reference of ``fp8_linear``: qdq(x) @ dequant(w).T in float32."""
     return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
 
 
-__all__ = ["Fp8Weight", "weight_nbytes", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
+__all__ = ["Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
            "prepare",
            "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "fp8_grouped_linear", "groups_fit",
            "GROUPED_WO_A", "ACT_GROUP", "triton_missing"]
