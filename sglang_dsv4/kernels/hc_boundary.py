@@ -20,8 +20,8 @@ The math is the torch ops' in fp32 (other summation orders: slices of the hidden
 mixes' dot products, as SGLang's kernel slices its K, and the Gram matrix for the norms); each
 row's bits depend on the width alone, not the batch. Tested against the torch ops under the
 interpreter (``tests/kernels/test_hc_boundary.py``) and on the GPU
-(``tests/kernels/test_hc_boundary_gpu.py``: passed in session 35 with the first shapes below, the
-model test's bounds since loosened, not yet run with these shapes).
+(``tests/kernels/test_hc_boundary_gpu.py``: passed in session 35 with the first shapes below and
+in session 38 with these).
 Graph-replayed (``benchmarks/bench_hc_boundary.py``), the first shapes (32 slices, an fp32 FMA
 dot, a program a token with 8 warps for launch 2) took 30.8 / 33.2 / 95.9 us a boundary at batch 1
 / 64 / 256 on an H200 (session 35) against the default path's four launches at 13.7 / 21.3 / 48.7;

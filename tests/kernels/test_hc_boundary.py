@@ -105,7 +105,7 @@ def test_the_switch_off_or_more_rows_keep_the_torch_ops(monkeypatch):
     h2 = ops.hc_post(done.f, h, done.post, done.comb)
     want = (h2, *ops.hc_pre(h2, fn, base, scale, cfg, norm=norm))
     monkeypatch.setattr(hc_boundary, "runs_on", lambda *a: True)  # as on a GPU: only the switch and the rows decide
-    monkeypatch.setattr(hc_boundary, "ENABLED", True)  # (another test may have left the switch set)
+    monkeypatch.setattr(hc_boundary, "ENABLED", True)  # whatever the environment switched
     monkeypatch.setattr(hc_boundary, "MAX_ROWS", T)
     assert hc_boundary.supported(h, fn, norm, cfg, done.f)
     for switch, rows in ((False, 64), (True, T - 1)):  # switched off; more rows than MAX_ROWS
