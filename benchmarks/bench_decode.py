@@ -290,7 +290,8 @@ _AS_STARTED: dict[str, bool] = {}  # each switch as the process started, before 
 
 def switched(variant: str | None, make):
     """``make()`` (a path) with the kernels of ``variant`` on and the others off (``none``: all
-    off; ``default``: each as the process started; None: left as they are), its name suffixed with
+    off; ``default``: each as the process started, ``default+X``: those and X; None: left as they
+    are), its name suffixed with
     the variant (but ``default``'s). The switches stay as set until
     the next path is made: read per call, guarded by Dynamo (the cuBLAS GEMM) or read when the
     model is built (the folded shared expert), so a path runs what was switched on while it was
@@ -300,10 +301,11 @@ def switched(variant: str | None, make):
         _AS_STARTED.update({name: bool(getattr(mod, attr)) for name, (mod, attr) in modules.items()})
     if variant is None:
         return make()
-    if variant == "default":
-        on = {name for name, value in _AS_STARTED.items() if value}
+    names = variant.split("+")
+    if names[0] == "default":  # default+X: the defaults and X besides
+        on = {name for name, value in _AS_STARTED.items() if value} | set(names[1:])
     else:
-        on = set() if variant == "none" else set(variant.split("+"))
+        on = set() if variant == "none" else set(names)
     _set_switches(on)
     path = make()
     path.switch_set = frozenset(on)  # for apply_switches: paths timed in turns (--rounds)
@@ -569,13 +571,13 @@ def main(argv: list[str] | None = None) -> int:
                          "and/or fp8+wo_a (fp8 with attn.wo_a fp8 too, SGLANG_DSV4_WO_A_FP8)")
     ap.add_argument("--switches", default="",
                     help="sets of switched GPU kernels to run each new path with, side by side: default (as the "
-                         "process started), none (all off), or +-joined names of "
+                         "process started), default+NAME (those and NAME), none (all off), or +-joined names of "
                          f"{', '.join(SWITCHES)} (exactly those on; unset: as the environment sets them)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     variants = args.switches.split(",") if args.switches else [None]
     for v in variants:
-        if v not in (None, "default", "none") and not set(v.split("+")) <= set(SWITCHES):
+        if v not in (None, "default", "none") and not set(v.split("+")) - {"default"} <= set(SWITCHES):
             ap.error(f"--switches: unknown {v!r} (known: default, none, {', '.join(SWITCHES)})")
     known = ("batched", "graphs", "batched-det", "graphs-det")
     new_paths = args.paths.split(",")

@@ -93,10 +93,10 @@ def _site(name: str) -> str | None:
     return f"{path.split('(')[0]}:{fn}"
 
 
-def launch_census(path) -> tuple[int, list[tuple[str, int, float]]]:
+def launch_census(path) -> tuple[int, list[tuple[str, int, float]], dict[str, dict[str, list]]]:
     """One eager step's kernel launches (and their kernels' GPU time) by (innermost package
     function <- its caller), from the profiler's trace with the Python tracer on. -> (launches,
-    [(site, launches, kernel ms)] most launches first)."""
+    [(site, launches, kernel ms)] most launches first, {site: {kernel name: [launches, ms]}})."""
     import json
     import os
     import tempfile
@@ -117,9 +117,12 @@ def launch_census(path) -> tuple[int, list[tuple[str, int, float]]]:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     os.remove(trace)
     kernel_us = defaultdict(float)  # correlation id -> the kernel's (or copy's) GPU time
+    kernel_name: dict[object, str] = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            kernel_us[e.get("args", {}).get("correlation")] += e["dur"]
+            corr = e.get("args", {}).get("correlation")
+            kernel_us[corr] += e["dur"]
+            kernel_name[corr] = e["name"]
     # sweep per thread: python frames nest, so an open-frame stack gives each launch its frames
     marks = []
     for e in events:
@@ -129,6 +132,7 @@ def launch_census(path) -> tuple[int, list[tuple[str, int, float]]]:
             marks.append((e["tid"], e["ts"], 1, e.get("args", {}).get("correlation"), None))
     marks.sort(key=lambda m: (m[0], m[1], m[2]))
     by = defaultdict(lambda: [0, 0.0])
+    names: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     stack: list[tuple[float, str]] = []
     tid = None
     for t, ts, kind, x, name in marks:
@@ -143,8 +147,11 @@ def launch_census(path) -> tuple[int, list[tuple[str, int, float]]]:
         site = " <- ".join(sites[:2]) if sites else "(outside the package)"
         by[site][0] += 1
         by[site][1] += kernel_us.get(x, 0.0) / 1e3
+        kernel = names[site][kernel_name.get(x, "(no kernel)")[:60]]
+        kernel[0] += 1
+        kernel[1] += kernel_us.get(x, 0.0) / 1e3
     total = sum(v[0] for v in by.values())
-    return total, sorted(((k, v[0], v[1]) for k, v in by.items()), key=lambda r: -r[1])
+    return total, sorted(((k, v[0], v[1]) for k, v in by.items()), key=lambda r: -r[1]), names
 
 
 def main() -> None:
@@ -154,6 +161,9 @@ def main() -> None:
     ap.add_argument("--weights", default="bf16", help="bf16 or fp8 (bench_decode's weight modes)")
     ap.add_argument("--census", type=int, default=0, metavar="N",
                     help="print the N call sites that launch the most kernels in an eager step")
+    ap.add_argument("--census-kernels", type=int, default=0, metavar="N",
+                    help="with --census: the kernels each of the first N of those sites launches (what a fusion "
+                         "there would replace)")
     args = ap.parse_args()
     timer = PhaseTimer()
     from sglang_dsv4.srt.state import SglangV4Cache
@@ -193,11 +203,17 @@ def main() -> None:
         for name, cnt, ms in top:
             print(f"  {ms:8.3f} ms  {cnt:5d}x  {name}")
         if args.census:
-            launches, sites = launch_census(path)
+            launches, sites, names = launch_census(path)
             print(f"launches by call site ({launches} in the eager step; kernel ms = their GPU time):")
             print("| launches | kernel ms | where (innermost <- caller) |\n|---|---|---|")
             for site, cnt, ms in sites[:args.census]:
                 print(f"| {cnt} | {ms:.3f} | {site} |")
+            if args.census_kernels:
+                print("\nthe kernels of the sites with the most launches:")
+                print("| where | launches | kernel ms | kernel |\n|---|---|---|---|")
+                for site, _, _ in sites[:args.census_kernels]:
+                    for kname, (cnt, ms) in sorted(names[site].items(), key=lambda kv: -kv[1][0]):
+                        print(f"| {site} | {cnt} | {ms:.3f} | {kname} |")
         roof = 1e3 * step_bytes(cfg, w, b, ctx) / bw
         summary.append((case, 1e3 * statistics.median(wall), rep, n, ktotal, phases.get("forward (all)", 0), roof))
         del path, w
