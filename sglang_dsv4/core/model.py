@@ -377,11 +377,12 @@ class V4Model:
         them: each sublayer boundary expands one output and reduces the next input at once,
         ``ops.hc_boundary``) -> (streams, this layer's MoE output, likewise not yet in them)."""
         cfg = self.cfg
+        fused = self.boundary_kernel(step)
         h, x, post, comb = ops.hc_boundary(h, done, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg,
-                                           norm=w["attn_norm.weight"])
+                                           norm=w["attn_norm.weight"], kernel=fused)
         attn = ops.SublayerOutput(self._attention(x, w, layer, ratio, step, cache), post, comb)
         h, x, post, comb = ops.hc_boundary(h, attn, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg,
-                                           norm=w["ffn_norm.weight"])
+                                           norm=w["ffn_norm.weight"], kernel=fused)
         par = self.parallel
         if par is None and self.branches.on and ops.separate_shared_expert(w, cfg):
             # the routed experts and the shared expert side by side; hc_post adds them (routed +
@@ -391,6 +392,15 @@ class V4Model:
             return h, ops.SublayerOutput(routed, post, comb, shared)
         f = par.moe(x, step.ids, w, cfg, hash_routed) if par else ops.moe(x, step.ids, w, cfg, hash_routed)
         return h, ops.SublayerOutput(f, post, comb)
+
+    def boundary_kernel(self, step: StepBatch) -> bool:
+        """Whether the step's sublayer boundaries may take the boundary kernel (``ops.hc_boundary``,
+        which also bounds the rows): a decode step (one token a request), and every piece of the
+        deterministic mode, whose decode and prefill must run the same ops. A prefill chunk keeps
+        the torch ops at any length, so chunkings of a prompt give the same bits whatever their
+        lengths (``tests/srt/test_state_gpu.py``): the kernel rounds otherwise, and it is there for
+        the decode batch's launches."""
+        return self.deterministic or step.is_decode
 
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
                    cache: V4CacheView) -> Tensor:

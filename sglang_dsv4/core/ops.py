@@ -261,14 +261,18 @@ class SublayerOutput(NamedTuple):
 
 
 def hc_boundary(h: Tensor, done: SublayerOutput | None, fn: Tensor, base: Tensor, scale: Tensor,
-                cfg: V4Config, norm: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                cfg: V4Config, norm: Tensor, kernel: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The streams after the finished sublayer ``done`` (``hc_post``; h itself where None), and the
     next sublayer's input from them (``hc_pre`` with its ``norm``) -> (streams, y, post, comb).
 
-    On a GPU, up to ``kernels.hc_boundary.MAX_ROWS`` rows (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``:
-    never), that is two Triton launches (``kernels.hc_boundary``) instead of hc_post's region,
-    SGLang's two kernels and the weighted norm's region; the same ops as ever elsewhere."""
-    if hc_boundary_kernel.supported(h, fn, norm, cfg, done.f if done else None, done.f_plus if done else None):
+    On a GPU, where ``kernel`` allows it and up to ``kernels.hc_boundary.MAX_ROWS`` rows
+    (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``: never), that is two Triton launches
+    (``kernels.hc_boundary``) instead of hc_post's region, SGLang's two kernels and the weighted
+    norm's region; the same ops as ever elsewhere. The two round differently (within 7e-7), so a
+    caller whose results must not follow a row count passes the same ``kernel`` for every count
+    (``V4Model.boundary_kernel``)."""
+    if kernel and hc_boundary_kernel.supported(h, fn, norm, cfg, done.f if done else None,
+                                               done.f_plus if done else None):
         if done is None:
             return hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg)
         return hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg, *done)

@@ -28,9 +28,12 @@ dot, a program a token with 8 warps for launch 2) took 30.8 / 33.2 / 95.9 us a b
 these (the constants below) 13.6 / 17.4 / 65.0 against 13.7 / 21.9 / 54.4 on an H100 (session 36,
 within 4e-7 of the default path's values): level, 1.26x and 0.84x. Eager, launch 1 is most of
 the time; at 256 rows it is slower than the default path's post and mixes kernels together.
-So it is on by default up to ``MAX_ROWS`` rows (decode batches to 64, and every piece of the
-deterministic mode, whose forwards are 64 rows each), the torch ops above them
-(``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``: the torch ops everywhere). Its GPU tests passed with these
+So it is on by default up to ``MAX_ROWS`` rows, the torch ops above them
+(``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``: the torch ops everywhere), and the model takes it for
+decode steps and every piece of the deterministic mode (64 rows each) only: a prefill chunk keeps
+the torch ops at any length, so that chunkings of a prompt give the same bits
+(``V4Model.boundary_kernel``; session 39's GPU run of ``tests/srt/test_state_gpu.py`` found a
+40-row chunk through the kernel 1.5 off in a tiny model's logits from an 81-row one through the ops). Its GPU tests passed with these
 shapes on an H100 in session 38, where the step (1K, fp8, graphs) went from 17.62 to 17.28 ms
 with it at flash43's batch 64 and from 5.84 to 5.78 ms at flash8's.
 """

@@ -82,9 +82,10 @@ print("WORST", err.max().item() if err.median() < 1e-5 else float("inf"))
 
 
 def test_a_model_with_the_kernel_gives_its_logits(triton_interpreted):
-    """Prefill and decode of a micro model (every boundary through the kernel, the first layer's
-    without an output to expand, the last expanded for the head by ``hc_expand``): the logits of
-    the torch ops to float rounding (and a rare fp8 / fp4 bin flip of the simulated quantisation)."""
+    """Prefill (the torch ops: ``V4Model.boundary_kernel``) then decode of a micro model (every
+    boundary through the kernel, the first layer's without an output to expand, the last expanded
+    for the head by ``hc_expand``): the logits of the torch ops to float rounding (and a rare
+    fp8 / fp4 bin flip of the simulated quantisation)."""
     assert triton_interpreted(_MODEL) < 2e-3
 
 
@@ -108,9 +109,29 @@ def test_the_switch_off_or_more_rows_keep_the_torch_ops(monkeypatch):
     monkeypatch.setattr(hc_boundary, "ENABLED", True)  # whatever the environment switched
     monkeypatch.setattr(hc_boundary, "MAX_ROWS", T)
     assert hc_boundary.supported(h, fn, norm, cfg, done.f)
-    for switch, rows in ((False, 64), (True, T - 1)):  # switched off; more rows than MAX_ROWS
+    # switched off; more rows than MAX_ROWS; the caller's choice (a prefill chunk)
+    for switch, rows, allowed in ((False, 64, True), (True, T - 1, True), (True, T, False)):
         monkeypatch.setattr(hc_boundary, "ENABLED", switch)
         monkeypatch.setattr(hc_boundary, "MAX_ROWS", rows)
-        got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+        got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm, kernel=allowed)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(ops.hc_expand(h, done), h2) and ops.hc_expand(h, None) is h
+
+
+def test_decode_steps_and_deterministic_pieces_take_the_kernel_and_prefill_chunks_do_not():
+    """``V4Model.boundary_kernel``: a prefill chunk keeps the torch ops at any length (chunkings of a
+    prompt then give the same bits: ``tests/srt/test_state_gpu.py``, which a 40-row chunk through
+    the kernel against an 81-row one through the torch ops broke); a decode step may take the
+    kernel; the deterministic mode always, its decode and prefill running the same ops."""
+    from types import SimpleNamespace
+
+    from sglang_dsv4.core.model import V4Model
+    from sglang_dsv4.core.step import StepBatch
+
+    model = V4Model.__new__(V4Model)  # the rule reads the mode and the step's host lengths only
+    for deterministic in (False, True):
+        model.deterministic = deterministic
+        for lens, decode in (([1, 1, 1], True), ([1], True), ([40], False), ([1, 80], False)):
+            step = SimpleNamespace(lens_host=lens)
+            step.is_decode = StepBatch.is_decode.fget(step)
+            assert model.boundary_kernel(step) == (decode or deterministic)
