@@ -279,7 +279,8 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
             "expert_blocks": (fp8_moe, "EXPERT_BLOCKS"), "route_kernel": (route, "ENABLED"),
             "entry_rows_kernel": (entry_rows, "ENABLED"), "topk_split": (topk, "SPLIT"),
             "c4_entries_kernel": (c4_entries, "ENABLED"), "hc_boundary_kernel": (hc_boundary, "ENABLED"),
-            "c128_entries_kernel": (c128_pool, "ENTRIES"), "swiglu_one_wave": (fp8_moe, "SWIGLU_ONE_WAVE")}
+            "c128_entries_kernel": (c128_pool, "ENTRIES"), "swiglu_one_wave": (fp8_moe, "SWIGLU_ONE_WAVE"),
+            "boundary_quant": (hc_boundary, "QUANTIZE")}
 
 
 SWITCHES = tuple(_switch_modules())  # their names, for --switches

@@ -28,7 +28,7 @@ import torch
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch
 from ..kernels import fp8_moe
-from ..kernels.fp8_linear import Fp8Weight, prepare as prepare_fp8
+from ..kernels.fp8_linear import Fp8Act, Fp8Weight, prepare as prepare_fp8
 from ..kernels.kv_layout import RowLayout
 from . import ops
 from .branches import Branches
@@ -378,20 +378,27 @@ class V4Model:
         ``ops.hc_boundary``) -> (streams, this layer's MoE output, likewise not yet in them)."""
         cfg = self.cfg
         fused = self.boundary_kernel(step)
-        h, x, post, comb = ops.hc_boundary(h, done, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg,
-                                           norm=w["attn_norm.weight"], kernel=fused)
-        attn = ops.SublayerOutput(self._attention(x, w, layer, ratio, step, cache), post, comb)
-        h, x, post, comb = ops.hc_boundary(h, attn, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg,
-                                           norm=w["ffn_norm.weight"], kernel=fused)
+        h, x, post, comb, act = self._boundary(h, done, w, "attn", fused)
+        attn = ops.SublayerOutput(self._attention(x, w, layer, ratio, step, cache, act), post, comb)
+        h, x, post, comb, act = self._boundary(h, attn, w, "ffn", fused)
         par = self.parallel
         if par is None and self.branches.on and ops.separate_shared_expert(w, cfg):
             # the routed experts and the shared expert side by side; hc_post adds them (routed +
             # shared, the sum ops.moe makes)
-            routed, shared = self.branches.run([lambda: ops.routed_experts(x, step.ids, w, cfg, hash_routed),
-                                                lambda: ops.shared_expert(x, w, cfg)])
+            routed, shared = self.branches.run([lambda: ops.routed_experts(x, step.ids, w, cfg, hash_routed, act=act),
+                                                lambda: ops.shared_expert(x, w, cfg, act=act)])
             return h, ops.SublayerOutput(routed, post, comb, shared)
-        f = par.moe(x, step.ids, w, cfg, hash_routed) if par else ops.moe(x, step.ids, w, cfg, hash_routed)
+        f = par.moe(x, step.ids, w, cfg, hash_routed) if par else ops.moe(x, step.ids, w, cfg, hash_routed, act)
         return h, ops.SublayerOutput(f, post, comb)
+
+    def _boundary(self, h: Tensor, done: ops.SublayerOutput | None, w: dict[str, Tensor], sublayer: str,
+                  fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Fp8Act | None]:
+        """``ops.hc_boundary`` into ``sublayer`` (attn / ffn) -> (streams, its input x, post, comb,
+        x's fp8 GEMM operands where the boundary kernel wrote them: the fp8 weight mode only)."""
+        fp8 = self.weight_mode == "fp8"
+        got = ops.hc_boundary(h, done, w[f"hc_{sublayer}_fn"], w[f"hc_{sublayer}_base"], w[f"hc_{sublayer}_scale"],
+                              self.cfg, norm=w[f"{sublayer}_norm.weight"], kernel=fused, quantized=fp8)
+        return got if fp8 else (*got, None)
 
     def boundary_kernel(self, step: StepBatch) -> bool:
         """Whether the step's sublayer boundaries may take the boundary kernel (``ops.hc_boundary``,
@@ -403,11 +410,11 @@ class V4Model:
         return self.deterministic or step.is_decode
 
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
-                   cache: V4CacheView) -> Tensor:
+                   cache: V4CacheView, act: Fp8Act | None = None) -> Tensor:
         """The attention sublayer. Its independent chains (the queries, the window KV, each
         compressor with its entry writes) are the parts of one ``branches.run``: side by side on
         CUDA streams where that is on, in this order otherwise. Every index tensor they share is
-        derived here first, on the calling stream."""
+        derived here first, on the calling stream. ``act``: x's fp8 GEMM operands, if made."""
         cfg, qs, pos = self.cfg, self.quant_sim, step.positions
         freqs = ops.layer_inv_freqs(cfg, ratio, self.device)  # one set for ratio 0, one for the others
         rope = step.derived(("rope", ratio > 0), lambda: ops.rope_at(pos, freqs))
@@ -416,11 +423,11 @@ class V4Model:
         xp = ops.x_projections(x, w)
 
         def queries():
-            q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype, xp.get("attn.wq_a.weight"))
+            q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype, xp.get("attn.wq_a.weight"), act)
             return q, qr, (ops.indexer_queries(x, qr, w, rope, cfg, qs, xp.get("attn.indexer.weights_proj.weight"))
                            if ratio == 4 else None)
 
-        parts = [queries, lambda: ops.project_kv(x, w, rope, cfg, qs, xp.get("attn.wkv.weight"))]
+        parts = [queries, lambda: ops.project_kv(x, w, rope, cfg, qs, xp.get("attn.wkv.weight"), act)]
         comp_idx = table = entries = entry_layout = None
         if ratio:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]

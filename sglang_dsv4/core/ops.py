@@ -23,7 +23,7 @@ from ..kernels import c4_entries as c4_entries_kernel
 from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
-from ..kernels.fp8_linear import Fp8Weight, fp8_grouped_linear, fp8_linear
+from ..kernels.fp8_linear import Fp8Act, Fp8Weight, fp8_grouped_linear, fp8_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from ..quant import FP8_WEIGHT_BLOCK, fp4_qat, fp8_qat, hadamard
 from .compiled import on_gpu
@@ -54,22 +54,23 @@ def pad_rows(x: Tensor, tile: int = CPU_ROW_TILE) -> Tensor:
     return _zero_pad_rows(x, tile) if x.device.type == "cpu" else x
 
 
-def _gemm(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+def _gemm(x: Tensor, w: Tensor | Fp8Weight, act: Fp8Act | None = None) -> Tensor:
     if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w)
+        return fp8_linear(x, w, act)
     return x @ w.t() if x.dtype == w.dtype else (x.to(w.dtype) @ w.t()).to(x.dtype)
 
 
-def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+def linear(x: Tensor, w: Tensor | Fp8Weight, act: Fp8Act | None = None) -> Tensor:
     """x @ w.T in the weight's dtype (bf16 weights: a bf16 GEMM), returned in x's dtype. An fp8
     block-128 weight (``kernels.fp8_linear.Fp8Weight``, the fp8 weight mode) takes x quantised
-    as V4's QAT does (e4m3, groups of 128, power-of-two scales) into the fp8 block GEMM.
+    as V4's QAT does (e4m3, groups of 128, power-of-two scales) into the fp8 block GEMM; ``act``:
+    that quantisation made by x's producer (``hc_boundary``), the same bytes, no launch of its own.
 
     Row i of the result depends only on row i of x: on the CPU over tiles of exactly
-    CPU_ROW_TILE rows (see there)."""
+    CPU_ROW_TILE rows (see there; x is quantised again per tile there)."""
     if x.device.type == "cpu" and CPU_ROW_TILE:
         return tiled_linear(x, w, CPU_ROW_TILE)
-    return _gemm(x, w)
+    return _gemm(x, w, act)
 
 
 def tiled_linear(x: Tensor, w: Tensor | Fp8Weight, tile: int) -> Tensor:
@@ -261,9 +262,11 @@ class SublayerOutput(NamedTuple):
 
 
 def hc_boundary(h: Tensor, done: SublayerOutput | None, fn: Tensor, base: Tensor, scale: Tensor,
-                cfg: V4Config, norm: Tensor, kernel: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                cfg: V4Config, norm: Tensor, kernel: bool = True, quantized: bool = False) -> tuple:
     """The streams after the finished sublayer ``done`` (``hc_post``; h itself where None), and the
-    next sublayer's input from them (``hc_pre`` with its ``norm``) -> (streams, y, post, comb).
+    next sublayer's input from them (``hc_pre`` with its ``norm``) -> (streams, y, post, comb);
+    with ``quantized`` a fifth, y's fp8 GEMM operands (``Fp8Act``) where the kernel made them
+    (``kernels.hc_boundary.QUANTIZE``), else None.
 
     On a GPU, where ``kernel`` allows it and up to ``kernels.hc_boundary.MAX_ROWS`` rows
     (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``: never), that is two Triton launches
@@ -273,11 +276,10 @@ def hc_boundary(h: Tensor, done: SublayerOutput | None, fn: Tensor, base: Tensor
     (``V4Model.boundary_kernel``)."""
     if kernel and hc_boundary_kernel.supported(h, fn, norm, cfg, done.f if done else None,
                                                done.f_plus if done else None):
-        if done is None:
-            return hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg)
-        return hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg, *done)
+        got = hc_boundary_kernel.post_pre(h, fn, scale, base, norm, cfg, *(done or ()), quantize=quantized)
+        return got if quantized else got[:4]
     h = hc_expand(h, done)
-    return (h, *hc_pre(h, fn, base, scale, cfg, norm=norm))
+    return (h, *hc_pre(h, fn, base, scale, cfg, norm=norm)) + ((None,) if quantized else ())
 
 
 def hc_expand(h: Tensor, done: SublayerOutput | None) -> Tensor:
@@ -305,26 +307,27 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
 
 # ---- attention projections (§2.2-§2.5) ------------------------------------------------------
 
-@on_gpu(rows={"x": (0,), "rope": (0,)})
+@on_gpu(rows={"x": (0,), "rope": (0,), "act": (0,)})
 def project_q(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
-              q_dtype: torch.dtype | None = None, xq: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              q_dtype: torch.dtype | None = None, xq: Tensor | None = None,
+              act: Fp8Act | None = None) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer).
     ``q_dtype``: q rounded to the attention kernel's input dtype here (FlashMLA's bf16), where
     the rounding fuses with the RoPE instead of costing a pass of its own. ``xq``: x @ wq_a.T
-    computed already (``x_projections``' stacked GEMM)."""
-    xq = linear(x, w["attn.wq_a.weight"]) if xq is None else xq
+    computed already (``x_projections``' stacked GEMM); ``act``: x's fp8 operands (``linear``)."""
+    xq = linear(x, w["attn.wq_a.weight"], act) if xq is None else xq
     qr = rms_norm(xq, w["attn.q_norm.weight"], cfg.rms_norm_eps)
     q = linear(qr, w["attn.wq_b.weight"]).view(x.shape[0], -1, cfg.head_dim)
     q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), rope)
     return (q if q_dtype is None else q.to(q_dtype)), qr
 
 
-@on_gpu(rows={"x": (0,), "rope": (0,)})
+@on_gpu(rows={"x": (0,), "rope": (0,), "act": (0,)})
 def project_kv(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config, quant_sim: bool,
-               xkv: Tensor | None = None) -> Tensor:
+               xkv: Tensor | None = None, act: Fp8Act | None = None) -> Tensor:
     """x: [T, D] -> window KV [T, Dh] (one shared head; K = V). ``xkv``: x @ wkv.T computed
-    already (``x_projections``)."""
-    xkv = linear(x, w["attn.wkv.weight"]) if xkv is None else xkv
+    already (``x_projections``); ``act``: x's fp8 operands (``linear``)."""
+    xkv = linear(x, w["attn.wkv.weight"], act) if xkv is None else xkv
     kv = rms_norm(xkv, w["attn.kv_norm.weight"], cfg.rms_norm_eps)
     kv = apply_rope(kv, rope)
     return _fp8_nope(kv, cfg) if quant_sim else kv
@@ -715,28 +718,31 @@ def separate_shared_expert(w: dict[str, Tensor], cfg: V4Config) -> bool:
     return bool(cfg.n_shared_experts) and _folded_stack(w) is None
 
 
-def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool) -> Tensor:
+def moe(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool,
+        act: Fp8Act | None = None) -> Tensor:
     """x: [T, D] -> routed experts (sqrtsoftplus gate) + shared expert. Where the shared expert
     is folded into the layer's fp8 expert stack (``stack_experts(fold_shared=True)``), one grouped
-    pass computes both: each token routes one more slot, gate 1, to it."""
+    pass computes both: each token routes one more slot, gate 1, to it. ``act``: x's fp8
+    operands (``linear``)."""
     stack = _folded_stack(w)
     if stack is not None:
         chosen, gates = _route(x, token_ids, w, cfg, hash_routed, shared_slot=cfg.n_routed_experts)
-        return fp8_grouped_experts(x, chosen, gates, stack, 0, cfg.swiglu_limit)
-    out = routed_experts(x, token_ids, w, cfg, hash_routed)
-    return shared_expert(x, w, cfg, plus=out) if cfg.n_shared_experts else out
+        return fp8_grouped_experts(x, chosen, gates, stack, 0, cfg.swiglu_limit, act)
+    out = routed_experts(x, token_ids, w, cfg, hash_routed, act=act)
+    return shared_expert(x, w, cfg, plus=out, act=act) if cfg.n_shared_experts else out
 
 
 def routed_experts(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool,
-                   experts: range | None = None) -> Tensor:
+                   experts: range | None = None, act: Fp8Act | None = None) -> Tensor:
     """Sum of the gated routed-expert outputs of each token, [T, D].
 
     ``experts`` (default: all) limits the sum to the experts held here; routing is decided over
     all experts, so the sums of disjoint ranges add up to the full one (expert parallelism).
+    ``act``: x's fp8 operands (``linear``).
     """
     chosen, gates = _route(x, token_ids, w, cfg, hash_routed)
     local = experts if experts is not None else range(cfg.n_routed_experts)
-    return grouped_experts(x, chosen, gates, w, cfg, local)
+    return grouped_experts(x, chosen, gates, w, cfg, local, act)
 
 
 def _route(x: Tensor, token_ids: Tensor, w: dict[str, Tensor], cfg: V4Config, hash_routed: bool,
@@ -771,7 +777,7 @@ def route_tokens(x: Tensor, gate: Tensor, bias_or_chosen: Tensor, cfg: V4Config,
 
 
 def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tensor], cfg: V4Config,
-                    experts: range) -> Tensor:
+                    experts: range, act: Fp8Act | None = None) -> Tensor:
     """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the experts held here, [T, D].
 
     With stacked bf16 expert matrices on a GPU (``stack_experts``): two grouped GEMMs, no host
@@ -781,7 +787,7 @@ def grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
     own row and routing, not on the other tokens of the batch.
     """
     if FP8_EXPERTS in w and x.is_cuda:  # fp8 weight mode: the grouped fp8 GEMMs, any EP share
-        return fp8_grouped_experts(x, chosen, gates, w[FP8_EXPERTS], experts.start, cfg.swiglu_limit)
+        return fp8_grouped_experts(x, chosen, gates, w[FP8_EXPERTS], experts.start, cfg.swiglu_limit, act)
     # the grouped path holds every expert: an expert-parallel share (EP) takes the loop for now (on
     # the H200 the grouped GEMMs over a share dropped some tokens' outputs: not yet understood)
     if STACKED_W13 in w and x.is_cuda and len(experts) == cfg.n_routed_experts:
@@ -885,18 +891,21 @@ def _sorted_experts(x: Tensor, chosen: Tensor, gates: Tensor, w: dict[str, Tenso
     return out
 
 
-@on_gpu(rows={"x": (0,), "plus": (0,)})
-def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config, plus: Tensor | None = None) -> Tensor:
+@on_gpu(rows={"x": (0,), "plus": (0,), "act": (0,)})
+def shared_expert(x: Tensor, w: dict[str, Tensor], cfg: V4Config, plus: Tensor | None = None,
+                  act: Fp8Act | None = None) -> Tensor:
     """The shared expert's output, [T, D] (V4 has one; callers check ``n_shared_experts``);
-    ``plus + `` it with ``plus`` (the routed experts' sum: the add joins the region's last kernel)."""
+    ``plus + `` it with ``plus`` (the routed experts' sum: the add joins the region's last kernel).
+    ``act``: x's fp8 operands (``linear``)."""
     p = SHARED_EXPERT
-    y = _swiglu(x, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, None)
+    y = _swiglu(x, w[f"{p}.w1.weight"], w[f"{p}.w3.weight"], cfg.swiglu_limit, None, act)
     out = linear(y, w[f"{p}.w2.weight"])
     return out if plus is None else plus + out
 
 
-def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, limit: float, gate: Tensor | None) -> Tensor:
-    g, u = linear(x, w1), linear(x, w3)
+def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, limit: float, gate: Tensor | None,
+            act: Fp8Act | None = None) -> Tensor:
+    g, u = linear(x, w1, act), linear(x, w3, act)
     if limit > 0:  # swiglu_limit 0 means no clamp
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     h = F.silu(g) * u

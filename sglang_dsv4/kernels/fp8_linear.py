@@ -27,7 +27,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,15 @@ def weight_nbytes(t) -> int:
 
 
 # ---- activation quantisation -----------------------------------------------------------------
+class Fp8Act(NamedTuple):
+    """An activation's fp8 GEMM operands, ``quantize_act``'s (q, scales), computed by the kernel
+    that produced the activation (``hc_boundary``'s launch 2 quantises the sublayer input it
+    writes): the GEMMs that read it then launch no quantiser of their own."""
+
+    q: Tensor
+    s: Tensor
+
+
 
 @on_gpu(rows={"x": (0,)})
 def quantize_act(x: Tensor, group: int = ACT_GROUP) -> tuple[Tensor, Tensor]:
@@ -343,11 +352,12 @@ def prepare(device: torch.device) -> None:
                                                                             torch.float32))
 
 
-def fp8_linear(x: Tensor, w: Fp8Weight) -> Tensor:
+def fp8_linear(x: Tensor, w: Fp8Weight, act: Fp8Act | None = None) -> Tensor:
     """x [M, K] @ dequant(w).T with x quantised as V4's QAT does (fp8 e4m3, groups of 128, ue8m0
-    scales) -> [M, N] in x's dtype. Traced inside a fused region (``core.compiled``), a split-K
-    GEMM's partials are added by the region's next kernel: one launch fewer than the sum kernel."""
-    q, s = quantize_act(x)
+    scales) -> [M, N] in x's dtype; ``act``: that quantisation computed already (``Fp8Act``).
+    Traced inside a fused region (``core.compiled``), a split-K GEMM's partials are added by the
+    region's next kernel: one launch fewer than the sum kernel."""
+    q, s = quantize_act(x) if act is None else act
     if not torch.compiler.is_compiling():
         return fp8_gemm(q, s, w, x.dtype)
     if isinstance(x.shape[0], int):  # the op's output shape follows the launch's split
@@ -424,7 +434,7 @@ def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
     return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
 
 
-__all__ = ["Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
+__all__ = ["Fp8Act", "Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
            "prepare",
            "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "fp8_grouped_linear", "groups_fit",
            "GROUPED_WO_A", "ACT_GROUP", "triton_missing"]

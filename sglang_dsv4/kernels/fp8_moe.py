@@ -67,7 +67,7 @@ from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
 from . import moe_layout
 from .expert_rows import expert_rows
-from .fp8_linear import (Fp8Weight, add_splits, block_rows_by_group, fp8_gemm, quantize_act, runs_kernel, sm_count,
+from .fp8_linear import (Fp8Act, Fp8Weight, add_splits, block_rows_by_group, fp8_gemm, quantize_act, runs_kernel, sm_count,
                          split_k)
 from .triton_support import pdl_options
 
@@ -164,9 +164,10 @@ def grouped_rows(pairs: int, experts: int) -> tuple[int, int]:
 
 
 def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Experts, first_expert: int,
-                        limit: float) -> Tensor:
+                        limit: float, act: Fp8Act | None = None) -> Tensor:
     """sum_k gates[t, k] * expert_{chosen[t, k]}(x[t]) over the local experts
-    ``first_expert .. first_expert + E - 1`` -> [T, D] in x's dtype.
+    ``first_expert .. first_expert + E - 1`` -> [T, D] in x's dtype. ``act``: x's quantisation
+    computed already (``fp8_linear.Fp8Act``).
 
     Between the two GEMM launches the work is one kernel and two fused regions on the GPU: the
     row layout with each row's token and gate (``moe_layout``; a fused region past its pair
@@ -177,7 +178,7 @@ def fp8_grouped_experts(x: Tensor, chosen: Tensor, gates: Tensor, experts: Fp8Ex
     A, M = grouped_rows(P, E)
     layout = moe_layout.row_layout if moe_layout.preferred(chosen, E) else _row_layout  # one launch on the GPU
     token_of_row, block_expert, dest_of_pair, gate_of_row = layout(chosen, gates, first_expert, E, A, M)
-    xq, xs = quantize_act(x)
+    xq, xs = quantize_act(x) if act is None else act
     if FUSED_SWIGLU and swiglu_epilogue_fits(M, experts, A, x.device):
         yq, ys = swiglu_gemm(xq, xs, experts, token_of_row, block_expert, gate_of_row, A, limit)
     else:  # each GEMM's split-K partials (if K is split) are added by the region after it

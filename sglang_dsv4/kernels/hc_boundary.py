@@ -45,6 +45,7 @@ import os
 import torch
 
 from ..config import V4Config
+from .fp8_linear import ACT_GROUP, Fp8Act
 from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
@@ -61,6 +62,9 @@ PRECISION = "tf32x3"  # the mixes' dot (``hc_boundary_triton``'s docstring)
 MIX_WARPS = 4  # launch 1's warps
 FINISH_BLOCK = 512  # dims a launch-2 program normalises (each also runs the token's Sinkhorn)
 FINISH_WARPS = 1  # launch 2's: the [4, 4] Sinkhorn's reductions stay within a warp
+# launch 2 also writes the sublayer input's fp8 GEMM operands where the caller asks (``post_pre``'s
+# ``quantize``; the fp8 weight mode): the quantiser launches of the GEMMs that read it go
+QUANTIZE = os.environ.get("SGLANG_DSV4_HC_BOUNDARY_QUANT", "1") == "1"
 
 
 def slicing(d: int) -> tuple[int, int]:
@@ -89,15 +93,24 @@ def supported(h: Tensor, fn: Tensor, norm: Tensor | None, cfg: V4Config, f: Tens
     return runs_on(h, "hc_boundary_triton")
 
 
+def quantizes(d: int) -> bool:
+    """Whether ``post_pre(quantize=True)`` writes y's fp8 operands at hidden width ``d``: switched on
+    (``QUANTIZE``) and whole 128-wide groups in launch 2's blocks and in y."""
+    return QUANTIZE and d % ACT_GROUP == 0 and FINISH_BLOCK % ACT_GROUP == 0
+
+
 @torch.compiler.disable  # kernel launches, never traced
 def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, cfg: V4Config,
              f: Tensor | None = None, post: Tensor | None = None, comb: Tensor | None = None,
-             f_plus: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (streams, y, pre's post, pre's comb): with ``f`` the streams are ``ops.hc_post(f, h, post,
-    comb, f_plus)`` (new), without them ``h`` itself; then ``ops.hc_pre(streams, fn, base, scale,
-    cfg, norm)`` of them. h [T, hc, D] fp32 contiguous; f, f_plus [T, D]; post [T, hc], comb
-    [T, hc, hc] (the finished sublayer's); fn, scale, base, norm the next sublayer's mixer and
-    input norm (``supported`` says which operands it takes)."""
+             f_plus: Tensor | None = None, quantize: bool = False
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Fp8Act | None]:
+    """-> (streams, y, pre's post, pre's comb, y's fp8 operands or None): with ``f`` the streams
+    are ``ops.hc_post(f, h, post, comb, f_plus)`` (new), without them ``h`` itself; then
+    ``ops.hc_pre(streams, fn, base, scale, cfg, norm)`` of them. h [T, hc, D] fp32 contiguous; f,
+    f_plus [T, D]; post [T, hc], comb [T, hc, hc] (the finished sublayer's); fn, scale, base, norm
+    the next sublayer's mixer and input norm (``supported`` says which operands it takes).
+    ``quantize`` (where ``quantizes``): launch 2 also writes ``fp8_linear.quantize_act(y)``, the
+    same bytes, as an ``Fp8Act``."""
     from .hc_boundary_triton import post_mix_kernel, pre_finish_kernel
 
     T, hc, d = h.shape
@@ -109,8 +122,12 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     y = torch.empty(T, d, dtype=torch.float32, device=dev)
     post_n = torch.empty(T, hc, dtype=torch.float32, device=dev)
     comb_n = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
+    act = None
+    if quantize and quantizes(d):
+        act = Fp8Act(torch.empty(T, d, dtype=torch.float8_e4m3fn, device=dev),
+                     torch.empty(T, d // ACT_GROUP, dtype=torch.float32, device=dev))
     if T == 0:
-        return out, y, post_n, comb_n
+        return out, y, post_n, comb_n, act
     if expand:
         post, comb = post.float().contiguous(), comb.float().contiguous()
     part_mix = torch.empty(n_slices, T, mix, dtype=torch.float32, device=dev)
@@ -124,10 +141,11 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
         POST=expand, PLUS=f_plus is not None, PRECISION=PRECISION, num_warps=MIX_WARPS, **pdl)
     pre_finish_kernel[(T, -(-d // FINISH_BLOCK))](
         part_mix, part_gram, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
-        y, post_n, comb_n, T, 1.0 / (hc * d), cfg.rms_norm_eps, N_SLICES=n_slices,
+        y, post_n, comb_n, act.q.view(torch.uint8) if act else y, act.s if act else y,
+        T, 1.0 / (hc * d), cfg.rms_norm_eps, N_SLICES=n_slices,
         D=d, BLOCK_D=FINISH_BLOCK, MIX=mix, ITERS=cfg.hc_sinkhorn_iters, HC_EPS=cfg.hc_eps,
-        num_warps=FINISH_WARPS, **pdl)
-    return out, y, post_n, comb_n
+        QUANT=act is not None, GROUP=ACT_GROUP, num_warps=FINISH_WARPS, **pdl)
+    return out, y, post_n, comb_n, act
 
 
-__all__ = ["ENABLED", "MAX_ROWS", "post_pre", "slicing", "supported"]
+__all__ = ["ENABLED", "MAX_ROWS", "QUANTIZE", "post_pre", "quantizes", "slicing", "supported"]

@@ -20,6 +20,7 @@ an H100, session 36).
 import triton
 import triton.language as tl
 
+from .fp8_bits_triton import e4m3_groups, exp2_int
 from .pdl_triton import await_predecessor
 
 
@@ -135,17 +136,20 @@ def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
 
 
 @triton.jit
-def pre_finish_kernel(PartMix, PartGram, HNew, Scale, Base, Norm, Y, Post, Comb,
+def pre_finish_kernel(PartMix, PartGram, HNew, Scale, Base, Norm, Y, Post, Comb, Yq, Ys,
                       T, inv_k, eps, N_SLICES: tl.constexpr,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr,
-                      ITERS: tl.constexpr, HC_EPS: tl.constexpr, PDL: tl.constexpr = False):
+                      ITERS: tl.constexpr, HC_EPS: tl.constexpr, QUANT: tl.constexpr = False,
+                      GROUP: tl.constexpr = 128, PDL: tl.constexpr = False):
     """Program (t, c): token t's mixes and Gram matrix from the slices' partials (added in slice
     order, unrolled so their loads are in flight together), times the streams' RMS scale; pre / post
     / comb as ``ops.hc_split_torch`` (sigmoids; a row softmax, then Sinkhorn from a column
     normalisation, ``ITERS`` columns; every program of the token computes the same bits, the first
     stores post and comb); then dims c * BLOCK_D.. of Y[t] = rms_norm(sum_i pre_i HNew[t, i], Norm)
-    (the sum in stream order), the mean square being pre^T G pre / D. One warp: the [4, 4]
-    reductions stay within it."""
+    (the sum in stream order), the mean square being pre^T G pre / D. With ``QUANT`` also that
+    block quantised as the fp8 GEMMs' input (``fp8_linear.quantize_act``: groups of ``GROUP``, e4m3
+    bytes to Yq [T, D], power-of-two scales to Ys [T, D / GROUP]; BLOCK_D and D whole groups).
+    One warp: the [4, 4] reductions stay within it."""
     await_predecessor(PDL)
     t = tl.program_id(0)
     c = tl.program_id(1)
@@ -189,4 +193,13 @@ def pre_finish_kernel(PartMix, PartGram, HNew, Scale, Base, Norm, Y, Post, Comb,
         p = tl.sum(tl.where(j == i, pre, 0.0), axis=0)
         y = y + p * tl.load(HNew + (t * HC + i) * D + d, mask=d_ok, other=0.0)
     w = tl.load(Norm + d, mask=d_ok, other=0.0).to(tl.float32)
-    tl.store(Y + t * D + d, y * r * w, mask=d_ok)
+    y = y * r * w
+    tl.store(Y + t * D + d, y, mask=d_ok)
+    if QUANT:  # dims past D are 0 here; their groups are not stored
+        NG: tl.constexpr = BLOCK_D // GROUP
+        q, e = e4m3_groups(tl.reshape(y, [NG, GROUP]), 1e-4)
+        g = c * NG + tl.arange(0, NG)
+        g_ok = g < D // GROUP
+        dq = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        tl.store(Yq + t * D + dq, q, mask=g_ok[:, None])
+        tl.store(Ys + t * (D // GROUP) + g, exp2_int(e), mask=g_ok)

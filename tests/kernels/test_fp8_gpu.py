@@ -509,3 +509,24 @@ def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows,
         eager_model.forward(srv.cache, states, [x.view(1) for x in ids])
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("which", ["tiny", "flash4"])
+def test_the_boundary_kernels_fp8_operands_give_the_decode_its_bits(which, tiny_path, serving_rows, monkeypatch):
+    """The sublayer inputs' fp8 operands written by the boundary kernel (``hc_boundary.QUANTIZE``:
+    the decode's attention and MoE GEMMs launch no quantiser of their own) are the quantiser's
+    bytes: prefill and decode logits equal to the bit with them off."""
+    from sglang_dsv4.kernels import hc_boundary
+
+    monkeypatch.setattr(hc_boundary, "ENABLED", True)
+    cfg, path = _source(which, tiny_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 70, 127)]
+    tails = torch.randint(0, cfg.vocab_size, (3, 4), generator=g).to(DEV)
+    out = []
+    for on in (False, True):
+        monkeypatch.setattr(hc_boundary, "QUANTIZE", on)
+        model, _ = _load(cfg, "fp8", path)
+        out.append(_run(serving_rows, model, cfg, prompts, tails))
+        del model
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])

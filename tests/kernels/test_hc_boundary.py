@@ -135,3 +135,55 @@ def test_decode_steps_and_deterministic_pieces_take_the_kernel_and_prefill_chunk
             step = SimpleNamespace(lens_host=lens)
             step.is_decode = StepBatch.is_decode.fget(step)
             assert model.boundary_kernel(step) == (decode or deterministic)
+
+
+_QUANT = """
+import torch
+from sglang_dsv4.core import ops
+from sglang_dsv4.kernels import hc_boundary as kernel
+from sglang_dsv4.kernels.fp8_linear import quantize_act
+from sglang_dsv4.tiny import preset_config
+kernel.ENABLED = kernel.QUANTIZE = True
+cfg = preset_config("tiny")
+g = torch.Generator().manual_seed(3)
+bad = 0
+# launch 2's blocks of one group, of two (D a multiple), of four past D (a block's last groups masked)
+for T, D, block in ((5, 256, 128), (3, 512, 256), (2, 640, 512)):
+    kernel.FINISH_BLOCK = block
+    hc = cfg.hc_mult
+    h = torch.randn(T, hc, D, generator=g)
+    h[0] *= 1e-7  # a row whose groups fall under the amax floor
+    h[-1] *= 300.0
+    f = torch.randn(T, D, generator=g)
+    post = torch.rand(T, hc, generator=g) * 2
+    comb = torch.softmax(torch.randn(T, hc, hc, generator=g), -1)
+    fn = torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.05
+    base, scale = torch.randn((2 + hc) * hc, generator=g) * 0.5, torch.rand(3, generator=g) + 0.5
+    norm = torch.rand(D, generator=g) + 0.5
+    for done in (ops.SublayerOutput(f, post, comb), None):
+        plain = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+        got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm, quantized=True)
+        q, s = quantize_act(got[1])
+        act = got[4]
+        bad += not (torch.equal(act.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(act.s, s))
+        bad += not all(torch.equal(a, b) for a, b in zip(got[:4], plain))  # the rest as without
+    kernel.QUANTIZE = False
+    bad += ops.hc_boundary(h, None, fn, base, scale, cfg, norm, quantized=True)[4] is not None
+    kernel.QUANTIZE = True
+print("WORST", float(bad))
+"""
+
+
+def test_the_kernel_quantises_the_input_it_writes_as_quantize_act(triton_interpreted):
+    """``hc_boundary(quantized=True)``: launch 2's fp8 operands of y are ``quantize_act(y)``'s bytes
+    and scales (whole blocks, several groups a block, a block's groups past the width; a row under
+    the amax floor, a large one), and the other outputs are those of the call without them; the
+    switch off, no operands. The torch ops make none (None): the GEMMs quantise x themselves."""
+    assert triton_interpreted(_QUANT) == 0.0
+    from sglang_dsv4.tiny import preset_config
+
+    cfg = preset_config("micro")
+    T, hc, D = 2, cfg.hc_mult, cfg.hidden_size
+    h, fn = torch.randn(T, hc, D), torch.randn((2 + hc) * hc, hc * D)
+    out = ops.hc_boundary(h, None, fn, torch.zeros((2 + hc) * hc), torch.ones(3), cfg, torch.ones(D), quantized=True)
+    assert len(out) == 5 and out[4] is None  # the CPU: the torch ops

@@ -100,3 +100,20 @@ def test_a_model_with_the_kernel_gives_its_logits(tiny_gpu, monkeypatch):
     err = (logits[1] - logits[0]).norm(dim=-1) / logits[0].norm(dim=-1)
     assert float(err.median()) < 1e-2 and float(err.max()) < 5e-2, err
     assert (logits[1].argmax(-1) == logits[0].argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_the_kernels_fp8_operands_are_the_quantisers_bytes(T, monkeypatch):
+    """At V4-Flash's width: launch 2's fp8 operands of y against ``quantize_act(y)`` as the GPU
+    runs it (a fused region), byte for byte; the other outputs those of the call without them."""
+    from sglang_dsv4.kernels.fp8_linear import quantize_act
+
+    monkeypatch.setattr(kernel, "ENABLED", True)
+    monkeypatch.setattr(kernel, "QUANTIZE", True)
+    cfg, h, (f, post, comb, f_plus), (fn, base, scale, norm) = _case(T, 7)
+    done = ops.SublayerOutput(f, post, comb, f_plus)
+    plain = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
+    got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm, quantized=True)
+    q, s = quantize_act(got[1])
+    assert torch.equal(got[4].q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[4].s, s)
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], plain))
