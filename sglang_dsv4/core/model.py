@@ -422,10 +422,15 @@ class V4Model:
         # x through the stacked input matrices at once, before the chains fork ({} where none)
         xp = ops.x_projections(x, w)
 
+        # qr quantised once for both of its fp8 GEMMs (wq_b and the indexer's), on the GPU
+        shared_qr = (ratio == 4 and x.is_cuda and isinstance(w["attn.wq_b.weight"], Fp8Weight)
+                     and isinstance(w["attn.indexer.wq_b.weight"], Fp8Weight))
+
         def queries():
-            q, qr = ops.project_q(x, w, rope, cfg, backend.query_dtype, xp.get("attn.wq_a.weight"), act)
-            return q, qr, (ops.indexer_queries(x, qr, w, rope, cfg, qs, xp.get("attn.indexer.weights_proj.weight"))
-                           if ratio == 4 else None)
+            q, qr, *qa = ops.project_q(x, w, rope, cfg, backend.query_dtype, xp.get("attn.wq_a.weight"), act,
+                                       qr_act=shared_qr)
+            return q, qr, (ops.indexer_queries(x, qr, w, rope, cfg, qs, xp.get("attn.indexer.weights_proj.weight"),
+                                               qa[0] if qa else None) if ratio == 4 else None)
 
         parts = [queries, lambda: ops.project_kv(x, w, rope, cfg, qs, xp.get("attn.wkv.weight"), act)]
         comp_idx = table = entries = entry_layout = None

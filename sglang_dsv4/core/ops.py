@@ -23,7 +23,7 @@ from ..kernels import c4_entries as c4_entries_kernel
 from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
-from ..kernels.fp8_linear import Fp8Act, Fp8Weight, fp8_grouped_linear, fp8_linear
+from ..kernels.fp8_linear import Fp8Act, Fp8Weight, fp8_grouped_linear, fp8_linear, quantize_act
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from ..quant import FP8_WEIGHT_BLOCK, fp4_qat, fp8_qat, hadamard
 from .compiled import on_gpu
@@ -310,16 +310,20 @@ def hc_head(h: Tensor, fn: Tensor, base: Tensor, scale: Tensor, cfg: V4Config) -
 @on_gpu(rows={"x": (0,), "rope": (0,), "act": (0,)})
 def project_q(x: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
               q_dtype: torch.dtype | None = None, xq: Tensor | None = None,
-              act: Fp8Act | None = None) -> tuple[Tensor, Tensor]:
+              act: Fp8Act | None = None, qr_act: bool = False) -> tuple:
     """x: [T, D] -> (q [T, H, Dh] normed and rotated, qr [T, Q] latent reused by the indexer).
     ``q_dtype``: q rounded to the attention kernel's input dtype here (FlashMLA's bf16), where
     the rounding fuses with the RoPE instead of costing a pass of its own. ``xq``: x @ wq_a.T
-    computed already (``x_projections``' stacked GEMM); ``act``: x's fp8 operands (``linear``)."""
+    computed already (``x_projections``' stacked GEMM); ``act``: x's fp8 operands (``linear``).
+    ``qr_act`` (wq_b fp8): a third output, qr's fp8 operands, quantised once here for wq_b and
+    the indexer's wq_b (``indexer_queries``) instead of once in each region."""
     xq = linear(x, w["attn.wq_a.weight"], act) if xq is None else xq
     qr = rms_norm(xq, w["attn.q_norm.weight"], cfg.rms_norm_eps)
-    q = linear(qr, w["attn.wq_b.weight"]).view(x.shape[0], -1, cfg.head_dim)
+    qa = Fp8Act(*quantize_act(qr)) if qr_act else None
+    q = linear(qr, w["attn.wq_b.weight"], qa).view(x.shape[0], -1, cfg.head_dim)
     q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), rope)
-    return (q if q_dtype is None else q.to(q_dtype)), qr
+    q = q if q_dtype is None else q.to(q_dtype)
+    return (q, qr, qa) if qr_act else (q, qr)
 
 
 @on_gpu(rows={"x": (0,), "rope": (0,), "act": (0,)})
@@ -618,13 +622,14 @@ def finish_entries(pooled: Tensor, w: dict[str, Tensor], prefix: str, rope: Rope
 
 # ---- lightning indexer (§4) ----------------------------------------------------------------
 
-@on_gpu(rows={"x": (0,), "qr": (0,), "rope": (0,)})
+@on_gpu(rows={"x": (0,), "qr": (0,), "rope": (0,), "qr_act": (0,)})
 def indexer_queries(x: Tensor, qr: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
-                    quant_sim: bool, xw: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    quant_sim: bool, xw: Tensor | None = None, qr_act: Fp8Act | None = None) -> tuple[Tensor, Tensor]:
     """-> (qI [T, Hi, Di] rotated, Hadamard'ed, FP4; head weights [T, Hi]). ``xw``: x @
-    weights_proj.T computed already (``x_projections``)."""
+    weights_proj.T computed already (``x_projections``); ``qr_act``: qr's fp8 operands
+    (``project_q``'s)."""
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-    qi = linear(qr, w["attn.indexer.wq_b.weight"]).view(-1, Hi, Di)
+    qi = linear(qr, w["attn.indexer.wq_b.weight"], qr_act).view(-1, Hi, Di)
     qi = hadamard(apply_rope(qi, rope))
     if quant_sim:
         qi = fp4_qat(qi, 32)

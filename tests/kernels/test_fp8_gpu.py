@@ -512,10 +512,13 @@ def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows,
 
 
 @pytest.mark.parametrize("which", ["tiny", "flash4"])
-def test_the_boundary_kernels_fp8_operands_give_the_decode_its_bits(which, tiny_path, serving_rows, monkeypatch):
+def test_the_boundary_kernels_fp8_operands_give_the_decode_its_bits(which, tiny_path, serving_rows, monkeypatch,
+                                                                    eager_regions):
     """The sublayer inputs' fp8 operands written by the boundary kernel (``hc_boundary.QUANTIZE``:
     the decode's attention and MoE GEMMs launch no quantiser of their own) are the quantiser's
-    bytes: prefill and decode logits equal to the bit with them off."""
+    bytes: prefill and decode logits equal to the bit with them off (the fused regions eager:
+    compiled, a region's variant with the operands and the one without may fuse its other ops
+    otherwise, ``eager_regions``)."""
     from sglang_dsv4.kernels import hc_boundary
 
     monkeypatch.setattr(hc_boundary, "ENABLED", True)
@@ -530,3 +533,27 @@ def test_the_boundary_kernels_fp8_operands_give_the_decode_its_bits(which, tiny_
         out.append(_run(serving_rows, model, cfg, prompts, tails))
         del model
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_qr_quantised_once_gives_both_of_its_gemms_their_bits(tiny_path, tokens, eager_regions):
+    """``project_q(qr_act=True)`` quantises qr once for wq_b and hands the operands to the
+    indexer's wq_b (``indexer_queries(qr_act=...)``): q, qr and the indexer's outputs equal those
+    of each region quantising qr itself (eager regions: the arithmetic, not Inductor's choices)."""
+    from sglang_dsv4.kernels.fp8_linear import quantize_act
+
+    cfg, path = _source("tiny", tiny_path)
+    model, _ = _load(cfg, "fp8", path)
+    layer = next(i for i, r in enumerate(cfg.layer_ratios) if r == 4)
+    lw = model.layers[layer]
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g, device=DEV)
+    rope = ops.rope_at(torch.arange(tokens, device=DEV) + 100, ops.layer_inv_freqs(cfg, 4, DEV))
+    q, qr = ops.project_q(x, lw, rope, cfg, torch.bfloat16)
+    q2, qr2, qa = ops.project_q(x, lw, rope, cfg, torch.bfloat16, qr_act=True)
+    want_q, want_s = quantize_act(qr)
+    assert torch.equal(q, q2) and torch.equal(qr, qr2)
+    assert torch.equal(qa.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(qa.s, want_s)
+    a = ops.indexer_queries(x, qr, lw, rope, cfg, True)
+    b = ops.indexer_queries(x, qr2, lw, rope, cfg, True, qr_act=qa)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
