@@ -269,8 +269,8 @@ def copy_bandwidth(device: str) -> float:
 
 def _switch_modules() -> dict[str, tuple[object, str]]:
     from sglang_dsv4.core import branches, ops
-    from sglang_dsv4.kernels import (c4_entries, c128_pool, entry_rows, fp8_cublas, fp8_moe, hc_boundary, hc_split,
-                                     kv_store, route, topk, triton_support)
+    from sglang_dsv4.kernels import (c4_entries, c128_pool, entry_rows, fp8_cublas, fp8_linear, fp8_moe, hc_boundary,
+                                     hc_split, kv_store, route, topk, triton_support)
 
     return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
             "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE"),
@@ -280,7 +280,7 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
             "entry_rows_kernel": (entry_rows, "ENABLED"), "topk_split": (topk, "SPLIT"),
             "c4_entries_kernel": (c4_entries, "ENABLED"), "hc_boundary_kernel": (hc_boundary, "ENABLED"),
             "c128_entries_kernel": (c128_pool, "ENTRIES"), "swiglu_one_wave": (fp8_moe, "SWIGLU_ONE_WAVE"),
-            "boundary_quant": (hc_boundary, "QUANTIZE")}
+            "fp8_operands": (fp8_linear, "SHARED_OPERANDS")}
 
 
 SWITCHES = tuple(_switch_modules())  # their names, for --switches

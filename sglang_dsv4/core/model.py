@@ -27,7 +27,7 @@ import torch
 
 from ..config import V4Config
 from ..kernels.backend import TORCH_BACKEND, AttentionBackend, AttnBatch
-from ..kernels import fp8_moe
+from ..kernels import fp8_linear, fp8_moe
 from ..kernels.fp8_linear import Fp8Act, Fp8Weight, prepare as prepare_fp8
 from ..kernels.kv_layout import RowLayout
 from . import ops
@@ -423,7 +423,8 @@ class V4Model:
         xp = ops.x_projections(x, w)
 
         # qr quantised once for both of its fp8 GEMMs (wq_b and the indexer's), on the GPU
-        shared_qr = (ratio == 4 and x.is_cuda and isinstance(w["attn.wq_b.weight"], Fp8Weight)
+        shared_qr = (ratio == 4 and x.is_cuda and fp8_linear.SHARED_OPERANDS
+                     and isinstance(w["attn.wq_b.weight"], Fp8Weight)
                      and isinstance(w["attn.indexer.wq_b.weight"], Fp8Weight))
 
         def queries():

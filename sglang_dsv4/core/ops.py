@@ -266,7 +266,7 @@ def hc_boundary(h: Tensor, done: SublayerOutput | None, fn: Tensor, base: Tensor
     """The streams after the finished sublayer ``done`` (``hc_post``; h itself where None), and the
     next sublayer's input from them (``hc_pre`` with its ``norm``) -> (streams, y, post, comb);
     with ``quantized`` a fifth, y's fp8 GEMM operands (``Fp8Act``) where the kernel made them
-    (``kernels.hc_boundary.QUANTIZE``), else None.
+    (``fp8_linear.SHARED_OPERANDS``), else None.
 
     On a GPU, where ``kernel`` allows it and up to ``kernels.hc_boundary.MAX_ROWS`` rows
     (``SGLANG_DSV4_HC_BOUNDARY_KERNEL=0``: never), that is two Triton launches

@@ -43,6 +43,10 @@ Tensor = torch.Tensor
 # layer at batch 64 on an H100 (session 33's flash43 census), against 11 us for its fp8 bytes.
 # Opt-in until a step has timed it (its GPU tests passed on an H200, session 35).
 GROUPED_WO_A = os.environ.get("SGLANG_DSV4_WO_A_FP8", "0") == "1"
+# An activation read by several fp8 GEMMs quantised once, by the kernel or region that makes it
+# (``Fp8Act``): the sublayer inputs by the boundary kernel (``hc_boundary.post_pre``), qr by
+# ``ops.project_q`` for wq_b and the indexer's wq_b. Read per call.
+SHARED_OPERANDS = os.environ.get("SGLANG_DSV4_FP8_OPERANDS", "1") == "1"
 ACT_GROUP = 128          # activation quantisation group along K (= the weight block)
 ACT_AMAX_FLOOR = 1e-4    # [REF] act_quant's amax clamp
 
@@ -434,7 +438,7 @@ def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
     return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
 
 
-__all__ = ["Fp8Act", "Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
+__all__ = ["SHARED_OPERANDS", "Fp8Act", "Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
            "prepare",
            "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "fp8_grouped_linear", "groups_fit",
            "GROUPED_WO_A", "ACT_GROUP", "triton_missing"]

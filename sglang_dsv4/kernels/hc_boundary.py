@@ -45,6 +45,7 @@ import os
 import torch
 
 from ..config import V4Config
+from . import fp8_linear
 from .fp8_linear import ACT_GROUP, Fp8Act
 from .triton_support import pdl_options, pow2, runs_on
 
@@ -62,9 +63,6 @@ PRECISION = "tf32x3"  # the mixes' dot (``hc_boundary_triton``'s docstring)
 MIX_WARPS = 4  # launch 1's warps
 FINISH_BLOCK = 512  # dims a launch-2 program normalises (each also runs the token's Sinkhorn)
 FINISH_WARPS = 1  # launch 2's: the [4, 4] Sinkhorn's reductions stay within a warp
-# launch 2 also writes the sublayer input's fp8 GEMM operands where the caller asks (``post_pre``'s
-# ``quantize``; the fp8 weight mode): the quantiser launches of the GEMMs that read it go
-QUANTIZE = os.environ.get("SGLANG_DSV4_HC_BOUNDARY_QUANT", "1") == "1"
 
 
 def slicing(d: int) -> tuple[int, int]:
@@ -95,8 +93,9 @@ def supported(h: Tensor, fn: Tensor, norm: Tensor | None, cfg: V4Config, f: Tens
 
 def quantizes(d: int) -> bool:
     """Whether ``post_pre(quantize=True)`` writes y's fp8 operands at hidden width ``d``: switched on
-    (``QUANTIZE``) and whole 128-wide groups in launch 2's blocks and in y."""
-    return QUANTIZE and d % ACT_GROUP == 0 and FINISH_BLOCK % ACT_GROUP == 0
+    (``fp8_linear.SHARED_OPERANDS``, read per call) and whole 128-wide groups in launch 2's blocks
+    and in y."""
+    return fp8_linear.SHARED_OPERANDS and d % ACT_GROUP == 0 and FINISH_BLOCK % ACT_GROUP == 0
 
 
 @torch.compiler.disable  # kernel launches, never traced
@@ -148,4 +147,4 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     return out, y, post_n, comb_n, act
 
 
-__all__ = ["ENABLED", "MAX_ROWS", "QUANTIZE", "post_pre", "quantizes", "slicing", "supported"]
+__all__ = ["ENABLED", "MAX_ROWS", "post_pre", "quantizes", "slicing", "supported"]

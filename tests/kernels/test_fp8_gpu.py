@@ -514,7 +514,7 @@ def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows,
 @pytest.mark.parametrize("which", ["tiny", "flash4"])
 def test_the_boundary_kernels_fp8_operands_give_the_decode_its_bits(which, tiny_path, serving_rows, monkeypatch,
                                                                     eager_regions):
-    """The sublayer inputs' fp8 operands written by the boundary kernel (``hc_boundary.QUANTIZE``:
+    """The sublayer inputs' fp8 operands written by the boundary kernel (``fp8_linear.SHARED_OPERANDS``:
     the decode's attention and MoE GEMMs launch no quantiser of their own) are the quantiser's
     bytes: prefill and decode logits equal to the bit with them off (the fused regions eager:
     compiled, a region's variant with the operands and the one without may fuse its other ops
@@ -528,7 +528,7 @@ def test_the_boundary_kernels_fp8_operands_give_the_decode_its_bits(which, tiny_
     tails = torch.randint(0, cfg.vocab_size, (3, 4), generator=g).to(DEV)
     out = []
     for on in (False, True):
-        monkeypatch.setattr(hc_boundary, "QUANTIZE", on)
+        monkeypatch.setattr(fp8_linear_mod, "SHARED_OPERANDS", on)
         model, _ = _load(cfg, "fp8", path)
         out.append(_run(serving_rows, model, cfg, prompts, tails))
         del model

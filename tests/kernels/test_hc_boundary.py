@@ -141,9 +141,10 @@ _QUANT = """
 import torch
 from sglang_dsv4.core import ops
 from sglang_dsv4.kernels import hc_boundary as kernel
+from sglang_dsv4.kernels import fp8_linear
 from sglang_dsv4.kernels.fp8_linear import quantize_act
 from sglang_dsv4.tiny import preset_config
-kernel.ENABLED = kernel.QUANTIZE = True
+kernel.ENABLED = fp8_linear.SHARED_OPERANDS = True
 cfg = preset_config("tiny")
 g = torch.Generator().manual_seed(3)
 bad = 0
@@ -167,9 +168,9 @@ for T, D, block in ((5, 256, 128), (3, 512, 256), (2, 640, 512)):
         act = got[4]
         bad += not (torch.equal(act.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(act.s, s))
         bad += not all(torch.equal(a, b) for a, b in zip(got[:4], plain))  # the rest as without
-    kernel.QUANTIZE = False
+    fp8_linear.SHARED_OPERANDS = False
     bad += ops.hc_boundary(h, None, fn, base, scale, cfg, norm, quantized=True)[4] is not None
-    kernel.QUANTIZE = True
+    fp8_linear.SHARED_OPERANDS = True
 print("WORST", float(bad))
 """
 

@@ -106,10 +106,11 @@ def test_a_model_with_the_kernel_gives_its_logits(tiny_gpu, monkeypatch):
 def test_the_kernels_fp8_operands_are_the_quantisers_bytes(T, monkeypatch):
     """At V4-Flash's width: launch 2's fp8 operands of y against ``quantize_act(y)`` as the GPU
     runs it (a fused region), byte for byte; the other outputs those of the call without them."""
+    from sglang_dsv4.kernels import fp8_linear
     from sglang_dsv4.kernels.fp8_linear import quantize_act
 
     monkeypatch.setattr(kernel, "ENABLED", True)
-    monkeypatch.setattr(kernel, "QUANTIZE", True)
+    monkeypatch.setattr(fp8_linear, "SHARED_OPERANDS", True)
     cfg, h, (f, post, comb, f_plus), (fn, base, scale, norm) = _case(T, 7)
     done = ops.SublayerOutput(f, post, comb, f_plus)
     plain = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
