@@ -406,8 +406,8 @@ class V4Model:
         deterministic mode, whose decode and prefill must run the same ops. A prefill chunk keeps
         the torch ops at any length, so chunkings of a prompt give the same bits whatever their
         lengths (``tests/srt/test_state_gpu.py``): the kernel rounds otherwise, and it is there for
-        the decode batch's launches."""
-        return self.deterministic or step.is_decode
+        the decode batch's launches. Decided once a step (every layer asks)."""
+        return step.derived(("boundary_kernel",), lambda: self.deterministic or step.is_decode)
 
     def _attention(self, x: Tensor, w: dict[str, Tensor], layer: int, ratio: int, step: StepBatch,
                    cache: V4CacheView, act: Fp8Act | None = None) -> Tensor:

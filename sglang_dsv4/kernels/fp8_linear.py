@@ -134,7 +134,6 @@ class Fp8Act(NamedTuple):
     s: Tensor
 
 
-
 @on_gpu(rows={"x": (0,)})
 def quantize_act(x: Tensor, group: int = ACT_GROUP) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (e4m3 [M, Kp], float32 scales [M, Kp / group]), Kp = K rounded up to ``group``
@@ -440,7 +439,8 @@ def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
     return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
 
 
-__all__ = ["SHARED_OPERANDS", "Fp8Act", "Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act", "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
+__all__ = ["SHARED_OPERANDS", "Fp8Act", "Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act",
+           "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
            "prepare",
            "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "fp8_grouped_linear", "groups_fit",
            "GROUPED_WO_A", "ACT_GROUP", "triton_missing"]

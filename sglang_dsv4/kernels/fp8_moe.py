@@ -67,8 +67,8 @@ from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
 from . import moe_layout
 from .expert_rows import expert_rows
-from .fp8_linear import (Fp8Act, Fp8Weight, add_splits, block_rows_by_group, fp8_gemm, quantize_act, runs_kernel, sm_count,
-                         split_k)
+from .fp8_linear import (Fp8Act, Fp8Weight, add_splits, block_rows_by_group, fp8_gemm, quantize_act, runs_kernel,
+                         sm_count, split_k)
 from .triton_support import pdl_options
 
 Tensor = torch.Tensor

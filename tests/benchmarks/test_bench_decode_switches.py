@@ -1,5 +1,6 @@
 """``bench_decode --switches``: each path is made with exactly its set of switched GPU kernels on
-(``none``: all off, ``default``: as the process started, ``default+X``: those and X), and named after it (the timing itself needs a GPU)."""
+(``none``: all off, ``default``: as the process started, ``default+X``: those and X), and named
+after it (the timing itself needs a GPU)."""
 
 from __future__ import annotations
 

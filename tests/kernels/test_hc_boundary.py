@@ -132,7 +132,7 @@ def test_decode_steps_and_deterministic_pieces_take_the_kernel_and_prefill_chunk
     for deterministic in (False, True):
         model.deterministic = deterministic
         for lens, decode in (([1, 1, 1], True), ([1], True), ([40], False), ([1, 80], False)):
-            step = SimpleNamespace(lens_host=lens)
+            step = SimpleNamespace(lens_host=lens, derived=lambda key, make: make())  # a fresh step each
             step.is_decode = StepBatch.is_decode.fget(step)
             assert model.boundary_kernel(step) == (decode or deterministic)
 
