@@ -457,20 +457,24 @@ def test_pdl_launches_give_the_plain_launches_bits(tiny_path, serving_rows, grap
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
 
 
-@pytest.mark.parametrize("fold,streams,fused_write,swiglu,stack_x", [
-    (False, False, False, False, False), (True, False, False, False, False), (False, True, False, False, False),
-    (False, False, True, False, False), (False, False, False, True, False), (False, True, False, False, True),
-    (False, True, True, True, False)])  # the last: the defaults since session 32
+@pytest.mark.parametrize("fold,streams,fused_write,swiglu,stack_x,operands", [
+    (False, False, False, False, False, False), (True, False, False, False, False, False),
+    (False, True, False, False, False, False), (False, False, True, False, False, False),
+    (False, False, False, True, False, False), (False, True, False, False, True, False),
+    (False, True, True, True, False, False),  # the defaults since session 32
+    (False, True, True, True, False, True)])  # and with the shared fp8 operands
 def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, streams, fused_write, swiglu,
-                                                        stack_x, monkeypatch):
+                                                        stack_x, operands, monkeypatch):
     """With each switch of the fp8 step alone (the hyper-connection mixes as they default), then
     the defaults together: ``fold``, the shared expert folded into the expert
     stacks (``fp8_moe.FOLD_SHARED``); ``streams``, a layer's chains on side streams
     (``core.branches``); ``fused_write``, KV rows quantised in their store's launch
     (``kv_store.FUSED_WRITE``); ``swiglu``, the experts' SwiGLU as GEMM 1's epilogue
     (``fp8_moe.FUSED_SWIGLU``); ``stack_x``, the input matrices stacked (``ops.STACK_X``; with
-    the side streams, which fork after the stacked GEMM)."""
+    the side streams, which fork after the stacked GEMM); ``operands``, the sublayer inputs'
+    fp8 operands written by the boundary kernel (``fp8_linear.SHARED_OPERANDS``)."""
     monkeypatch.setattr(ops, "STACK_X", stack_x)
+    monkeypatch.setattr(fp8_linear_mod, "SHARED_OPERANDS", operands)
     monkeypatch.setattr(fp8_moe, "FOLD_SHARED", fold)
     monkeypatch.setattr(fp8_moe, "FUSED_SWIGLU", swiglu)
     monkeypatch.setattr(branches, "ENABLED", streams)
