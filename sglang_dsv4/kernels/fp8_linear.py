@@ -45,10 +45,11 @@ Tensor = torch.Tensor
 GROUPED_WO_A = os.environ.get("SGLANG_DSV4_WO_A_FP8", "0") == "1"
 # An activation read by several fp8 GEMMs quantised once, by the kernel or region that makes it
 # (``Fp8Act``): the sublayer inputs by the boundary kernel (``hc_boundary.post_pre``), qr by
-# ``ops.project_q`` for wq_b and the indexer's wq_b. Read per call. Opt-in until a step has timed
-# it (session 39, H100: the bytes equal the quantiser's compiled, and a tiny fp8 model's prefill and
-# decode logits the bits without it; its graph-replay / no-sync test and the A/B are owed).
-SHARED_OPERANDS = os.environ.get("SGLANG_DSV4_FP8_OPERANDS", "0") == "1"
+# ``ops.project_q`` for wq_b and the indexer's wq_b. Read per call. On by default since session 40
+# (H100: the bytes equal the quantiser's compiled; tiny and flash4 fp8 models' prefill and decode
+# logits the bits without it; graph replay equals eager, no host sync; flash43's batch-64 step
+# 17.63 -> 17.17 ms, flash8's 6.10 -> 6.08). ``SGLANG_DSV4_FP8_OPERANDS=0``: each GEMM quantises.
+SHARED_OPERANDS = os.environ.get("SGLANG_DSV4_FP8_OPERANDS", "1") == "1"
 ACT_GROUP = 128          # activation quantisation group along K (= the weight block)
 ACT_AMAX_FLOOR = 1e-4    # [REF] act_quant's amax clamp
 

@@ -461,8 +461,8 @@ def test_pdl_launches_give_the_plain_launches_bits(tiny_path, serving_rows, grap
     (False, False, False, False, False, False), (True, False, False, False, False, False),
     (False, True, False, False, False, False), (False, False, True, False, False, False),
     (False, False, False, True, False, False), (False, True, False, False, True, False),
-    (False, True, True, True, False, False),  # the defaults since session 32
-    (False, True, True, True, False, True)])  # and with the shared fp8 operands
+    (False, True, True, True, False, False),  # the defaults of sessions 32-39
+    (False, True, True, True, False, True)])  # and the shared fp8 operands: the defaults since session 40
 def test_fp8_decode_replays_from_graphs_and_never_syncs(tiny_path, serving_rows, fold, streams, fused_write, swiglu,
                                                         stack_x, operands, monkeypatch):
     """With each switch of the fp8 step alone (the hyper-connection mixes as they default), then
