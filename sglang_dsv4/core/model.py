@@ -439,17 +439,19 @@ class V4Model:
             pool, table = cache.pools[ratio], step.tables.entry_rows[ratio]
             visible = step.derived(("visible", ratio), lambda: (pos + 1) // ratio)
             main = f"main{layer}"
+            # x cast once for the compressors' GEMMs (bf16 matrices), before the chains fork
+            xc = ops.compressor_input(x, w)
         if ratio == 4:
             windows = self._c4_windows(step, freqs)
             for kind, prefix, name in (("main", "attn.compressor", main),
                                        ("index", "attn.indexer.compressor", f"index{layer}")):
-                parts.append(partial(self._c4_compress, cache, step, x, xp, w, cache.c4_index[layer], kind, prefix,
+                parts.append(partial(self._c4_compress, cache, step, xc, xp, w, cache.c4_index[layer], kind, prefix,
                                      pool, name, self._write_rows(step, pool, name, 4), windows))
         elif ratio == 128:
             layout = pool.layouts[main]
             dst, comp_idx = step.derived(("c128_entries", table.shape[1], layout.page_size),
                                          lambda: _c128_rows(step, pool.scratch_row, table.shape[1], visible, layout))
-            parts.append(partial(self._c128_compress, step, x, xp, w, pool, main, dst,
+            parts.append(partial(self._c128_compress, step, xc, xp, w, pool, main, dst,
                                  self._c128_segments(step, cache, cache.c128_index[layer], freqs)))
         (q, qr, index_q), kv = self.branches.run(parts)[:2]
         if ratio:
@@ -487,15 +489,15 @@ class V4Model:
         """One ratio-4 compressor of a layer (``kind`` main or index): per token t at position p,
         the entry its 8-row window (positions p-7..p) pools, finished and written to ``name`` at
         ``rows`` (the scratch row where p completes no group). Then the chunk's last 8 rows of
-        each request become its state (rows at p % 8). ``xp``: x's stacked projections, if any."""
-        a, s = ops.compressor_projections(x, w, prefix, step.positions, 4, xp.get(f"{prefix}.wkv.weight"),
-                                          xp.get(f"{prefix}.wgate.weight"))
+        each request become its state (rows at p % 8). x: in the compressor matrices' dtype
+        (``ops.compressor_input``); ``xp``: x's stacked projections, if any."""
+        a, s = ops.compressor_gemms(x, w, prefix, xp.get(f"{prefix}.wkv.weight"), xp.get(f"{prefix}.wgate.weight"))
         # this layer's states [slots, 8, 2d] (views); rows before the chunk come from them, rows
         # inside it from the chunk
         st_a, st_s = cache.slot_state[f"c4_{kind}_a"][:, c4], cache.slot_state[f"c4_{kind}_s"][:, c4]
         idx, dst, rope = windows
         pool.write(name, rows, ops.c4_entries(a, s, st_a, st_s, step.slots, idx, dst, w, prefix, rope, self.cfg,
-                                              kind == "index", self.quant_sim))
+                                              kind == "index", self.quant_sim, step.positions))
 
     @staticmethod
     def _c128_segments(step: StepBatch, cache: V4CacheView, c128: int, freqs: Tensor
@@ -511,12 +513,13 @@ class V4Model:
                        name: str, dst, segments: tuple[Tensor, Tensor, ops.Rope]) -> None:
         """A layer's ratio-128 compressor: online-softmax pooling of every (request, group)
         segment of the step, position by position; the segments' entries written to ``name`` at
-        ``dst`` (real where the segment completes its group, else to the scratch row)."""
-        a, s = ops.compressor_projections(x, w, "attn.compressor", step.positions, 128,
-                                          xp.get("attn.compressor.wkv.weight"), xp.get("attn.compressor.wgate.weight"))
+        ``dst`` (real where the segment completes its group, else to the scratch row). x: in the
+        compressor matrices' dtype (``ops.compressor_input``)."""
+        a, s = ops.compressor_gemms(x, w, "attn.compressor", xp.get("attn.compressor.wkv.weight"),
+                                    xp.get("attn.compressor.wgate.weight"))
         seg, (state, slots, rope) = step.c128, segments
         pool.write(name, dst, ops.c128_entries(a, s, seg.tok, seg.width, seg.carry, slots, state, seg.completes,
-                                               seg.store_slot, w, rope, self.cfg, self.quant_sim))
+                                               seg.store_slot, w, rope, self.cfg, self.quant_sim, step.positions))
 
     def _select(self, backend: AttentionBackend, pool, name: str, table: Tensor, step: StepBatch, qi: Tensor,
                 hw: Tensor, visible: Tensor) -> Tensor:

@@ -474,9 +474,34 @@ def compressor_projections(x: Tensor, w: dict[str, Tensor], prefix: str, positio
                            ratio: int, xa: Tensor | None = None, xs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x: [T, D] -> (a [T, coff*d], s [T, coff*d]); s includes ape[p mod r]. ``xa``, ``xs``: x
     times the compressor's wkv / wgate computed already (``x_projections``)."""
+    a, s = compressor_gemms(x, w, prefix, xa, xs)
+    return a, with_position_bias(s, w[f"{prefix}.ape"], positions)
+
+
+def compressor_gemms(x: Tensor, w: dict[str, Tensor], prefix: str, xa: Tensor | None = None,
+                     xs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x: [T, D] times the compressor's wkv and wgate -> (a, s) [T, coff*d] in x's dtype, s
+    before its position bias (``with_position_bias``). The serving step hands them to the entry
+    kernels as they are: x in the matrices' dtype (``compressor_input``), the rows stay bf16 and
+    the kernels widen them and add the bias on load, where casts and the bias add would be three
+    launches of their own. ``xa``, ``xs``: computed already (``x_projections``)."""
     a = linear(x, w[f"{prefix}.wkv.weight"]) if xa is None else xa
-    xs = linear(x, w[f"{prefix}.wgate.weight"]) if xs is None else xs
-    return a, xs + w[f"{prefix}.ape"][positions % ratio]
+    s = linear(x, w[f"{prefix}.wgate.weight"]) if xs is None else xs
+    return a, s
+
+
+def compressor_input(x: Tensor, w: dict[str, Tensor]) -> Tensor:
+    """x [T, D] in the dtype of the layer's compressor matrices (the dtype their GEMMs run in):
+    cast once for every compressor of the layer rather than by each of its GEMMs; x itself where
+    the matrices are fp8 or the layer has no compressor."""
+    m = w.get("attn.compressor.wkv.weight")
+    return x.to(m.dtype) if isinstance(m, Tensor) and m.dtype != x.dtype else x
+
+
+def with_position_bias(s: Tensor, ape: Tensor, positions: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A compressor's gate rows s [T, coff*d] plus its position bias ``ape`` [ratio, coff*d] at
+    each row's position mod ratio; s widened to ``dtype`` first (exact) where given."""
+    return (s if dtype is None else s.to(dtype)) + ape[positions % ape.shape[0]]
 
 
 def pool_c4(a: Tensor, s: Tensor) -> Tensor:
@@ -506,19 +531,23 @@ def pool_c4_windows(a: Tensor, s: Tensor) -> Tensor:
 
 def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
                dst: tuple[Tensor, Tensor], w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
-               is_indexer: bool, quant_sim: bool) -> Tensor:
+               is_indexer: bool, quant_sim: bool, positions: Tensor | None = None) -> Tensor:
     """``c4_entries_torch``; opted in on the GPU, two Triton launches (``kernels.c4_entries``)
-    instead of the fused region's ~9 kernels. Decided here, outside the compiled region."""
-    if c4_entries_kernel.supported(a, s, state_a, state_s, idx, rope, cfg, is_indexer):
+    instead of the fused region's ~9 kernels. Decided here, outside the compiled region.
+    ``positions`` [T]: s is ``compressor_gemms``' (before its bias; the bias ``{prefix}.ape`` is
+    added here, at these positions); None: s has it already."""
+    ape = None if positions is None else w[f"{prefix}.ape"]
+    if c4_entries_kernel.supported(a, s, state_a, state_s, idx, rope, cfg, is_indexer, ape, positions):
         return c4_entries_kernel.c4_entries(a, s, state_a, state_s, slots, idx, dst, w[f"{prefix}.norm.weight"],
-                                            rope, cfg, is_indexer, quant_sim)
-    return c4_entries_torch(a, s, state_a, state_s, slots, idx, dst, w, prefix, rope, cfg, is_indexer, quant_sim)
+                                            rope, cfg, is_indexer, quant_sim, ape=ape, positions=positions)
+    return c4_entries_torch(a, s, state_a, state_s, slots, idx, dst, w, prefix, rope, cfg, is_indexer, quant_sim,
+                            positions)
 
 
-@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "dst": (0,), "rope": (0,)})
+@on_gpu(rows={"a": (0,), "s": (0,), "slots": (0,), "idx": (0,), "dst": (0,), "rope": (0,), "positions": (0,)})
 def c4_entries_torch(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
                      dst: tuple[Tensor, Tensor], w: dict[str, Tensor], prefix: str, rope: Rope, cfg: V4Config,
-                     is_indexer: bool, quant_sim: bool) -> Tensor:
+                     is_indexer: bool, quant_sim: bool, positions: Tensor | None = None) -> Tensor:
     """The C4 entry each token's 8-row window completes, finished (``finish_entries``) -> [T, d].
 
     The window's rows come from [the step's requests' rows of this layer's slot states
@@ -526,7 +555,10 @@ def c4_entries_torch(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slo
     row (a 0, s -inf)], ``idx`` [T, 8] indexing that concatenation; a token at position p pools
     positions p-7..p, the group's first token p - 3 (``rope``: each token's rotation at p - 3).
     Then the states take the chunk's rows in place at ``dst`` (slot, row) (each request's last 8
-    positions; the scratch slot the others). One fused region on the GPU, the writes included."""
+    positions; the scratch slot the others). One fused region on the GPU, the writes included.
+    ``positions``: as ``c4_entries``'s (the rows widened to the states' dtype, the bias added)."""
+    if positions is not None:
+        a, s = a.to(state_a.dtype), with_position_bias(s, w[f"{prefix}.ape"], positions, state_s.dtype)
     d2 = a.shape[1]
     prev_a, prev_s = state_a[slots].reshape(-1, d2), state_s[slots].reshape(-1, d2)
     src_a = torch.cat((prev_a, a, a.new_zeros(1, d2)))
@@ -583,14 +615,18 @@ def c128_start(carry: Tensor, slots: Tensor, state: Tensor, a: Tensor) -> Tensor
 
 def c128_entries(a: Tensor, s: Tensor, tok: Tensor, width: int, carry: Tensor, slots: Tensor, state: Tensor,
                  completes: Tensor, store_slot: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
-                 quant_sim: bool) -> Tensor:
+                 quant_sim: bool, positions: Tensor | None = None) -> Tensor:
     """A ratio-128 layer's segments -> their finished entries [G, d], the slots' states updated in
     place: ``online_softmax_pool`` from ``c128_start``, then ``c128_finish``. Opted in on the GPU,
     two Triton launches (``kernels.c128_pool.entries``) instead of ~9 kernels. Decided here,
-    outside the compiled regions."""
-    if c128_pool.entries_supported(a, s, state, rope, cfg):
+    outside the compiled regions. ``positions`` [T]: s is ``compressor_gemms``' (before its bias,
+    added here at these positions; a and s widened to the state's dtype); None: s has it already."""
+    ape = None if positions is None else w["attn.compressor.ape"]
+    if c128_pool.entries_supported(a, s, state, rope, cfg, ape, positions):
         return c128_pool.entries(a, s, tok, carry, slots, state, completes, store_slot, width,
-                                 w["attn.compressor.norm.weight"], rope, cfg, quant_sim)
+                                 w["attn.compressor.norm.weight"], rope, cfg, quant_sim, ape=ape, positions=positions)
+    if positions is not None:
+        a, s = a.to(state.dtype), with_position_bias(s, ape, positions, state.dtype)
     run = online_softmax_pool(a, s, tok, c128_start(carry, slots, state, a), width)
     return c128_finish(run, completes, state, store_slot, w, rope, cfg, quant_sim)
 

@@ -32,7 +32,7 @@ import os
 import torch
 
 from ..config import V4Config
-from .c4_entries import _dims_ok
+from .c4_entries import _dims_ok, rows_ok
 from .triton_support import pdl_options, pow2, runs_on
 
 Tensor = torch.Tensor
@@ -77,12 +77,14 @@ def pool(a: Tensor, s: Tensor, tok: Tensor, state: Tensor, width: int) -> Tensor
     return out
 
 
-def entries_supported(a: Tensor, s: Tensor, state: Tensor, rope: tuple[Tensor, Tensor], cfg: V4Config) -> bool:
+def entries_supported(a: Tensor, s: Tensor, state: Tensor, rope: tuple[Tensor, Tensor], cfg: V4Config,
+                      ape: Tensor | None = None, positions: Tensor | None = None) -> bool:
     """Whether ``entries`` takes these operands: switched on (``SGLANG_DSV4_C128_ENTRIES_KERNEL=1``);
-    float32 rows a, s [T, d] and states [slots, 3, d] with contiguous dims (any other strides); a
-    rotation table (cos, sin) with contiguous dims; the main compressor's widths (``c4_entries._dims_ok``);
-    a CUDA tensor (or the interpreter)."""
-    if not ENTRIES or not (a.dtype == s.dtype == state.dtype == torch.float32):
+    rows a, s [T, d] it reads (``c4_entries.rows_ok``: float32, or bf16 with their position bias
+    ``ape`` at ``positions`` to add) and float32 states [slots, 3, d] with contiguous dims (any
+    other strides); a rotation table (cos, sin) with contiguous dims; the main compressor's widths
+    (``c4_entries._dims_ok``); a CUDA tensor (or the interpreter)."""
+    if not ENTRIES or not (rows_ok(a, s, ape, positions) and state.dtype == torch.float32):
         return False
     if a.dim() != 2 or s.shape != a.shape or state.dim() != 3 or state.shape[1:] != (3, a.shape[1]):
         return False
@@ -97,12 +99,14 @@ def entries_supported(a: Tensor, s: Tensor, state: Tensor, rope: tuple[Tensor, T
 @torch.compiler.disable  # kernel launches, never traced
 def entries(a: Tensor, s: Tensor, tok: Tensor, carry: Tensor, slots: Tensor, state: Tensor, completes: Tensor,
             store_slot: Tensor, width: int, norm: Tensor, rope: tuple[Tensor, Tensor], cfg: V4Config,
-            quant_sim: bool) -> Tensor:
+            quant_sim: bool, ape: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
     """``ops.c128_finish(ops.online_softmax_pool(a, s, tok, ops.c128_start(carry, slots, state, a), width),
     completes, state, store_slot, ...)``: each segment g's finished entry [G, d]; ``state``
     [slots, 3, d] (a layer's view) takes each segment's state at ``store_slot`` in place (empty
     where it ``completes`` its group). ``norm``: the compressor's norm weight; ``rope`` (cos, sin
-    [G, rope_dim / 2]) each segment's rotation at its group's first position."""
+    [G, rope_dim / 2]) each segment's rotation at its group's first position. a, s: float32, or
+    bf16 with ``ape`` [128, d] and ``positions`` [T] (s before its position bias, added on load
+    in float32 as ``ops.with_position_bias``)."""
     from .c128_pool_triton import c128_entries_kernel, c128_state_write_kernel
 
     G, width_max = tok.shape
@@ -112,18 +116,22 @@ def entries(a: Tensor, s: Tensor, tok: Tensor, carry: Tensor, slots: Tensor, sta
                                                                 == store_slot.shape == (G,)) or cos.shape[0] != G):
         raise ValueError(f"c128_entries: rows {tuple(a.shape)}, tokens {tuple(tok.shape)}, state {tuple(state.shape)}, "
                          f"segments {tuple(carry.shape)}, rope {tuple(cos.shape)}, width {width}")
+    if not rows_ok(a, s, ape, positions):
+        raise ValueError(f"c128_entries: rows {a.dtype} / {s.dtype}, bias {None if ape is None else tuple(ape.shape)}, "
+                         f"positions {None if positions is None else tuple(positions.shape)}")
     out = torch.empty(G, d, dtype=torch.float32, device=a.device)
     if G == 0:
         return out
     run = torch.empty(G, 3, d, dtype=torch.float32, device=a.device)
     tok, carry, slots, completes, store_slot = (t.contiguous() for t in (tok, carry, slots, completes, store_slot))
+    bias, pos, ratio = (s, s, 0) if ape is None else (ape, positions.contiguous(), ape.shape[0])
     block = pow2(d)
     pdl = pdl_options(a)
     c128_entries_kernel[(G,)](
-        a, s, tok, state, slots, carry, norm.contiguous(), cos, sin, run, out,
-        width, a.stride(0), s.stride(0), tok.stride(0), state.stride(0), state.stride(1), cos.stride(0),
-        sin.stride(0), cfg.rms_norm_eps, D=d, BLOCK_D=block, ROPE=2 * cos.shape[1], NOPE=cfg.nope_head_dim,
-        QUANT=quant_sim, num_warps=4, **pdl)
+        a, s, bias, pos, tok, state, slots, carry, norm.contiguous(), cos, sin, run, out,
+        width, a.stride(0), s.stride(0), bias.stride(0), tok.stride(0), state.stride(0), state.stride(1),
+        cos.stride(0), sin.stride(0), cfg.rms_norm_eps, D=d, BLOCK_D=block, ROPE=2 * cos.shape[1],
+        NOPE=cfg.nope_head_dim, QUANT=quant_sim, RATIO=ratio, num_warps=4, **pdl)
     c128_state_write_kernel[(G,)](run, state, store_slot, completes, state.stride(0), state.stride(1), D=d,
                                   BLOCK_D=block, num_warps=4, **pdl)
     return out

@@ -54,16 +54,31 @@ def _dims_ok(d: int, rope_dim: int, nope: int, is_indexer: bool) -> bool:
     return d > 32 and 0 <= nope <= d - rope_dim and nope % 64 == 0  # d > 32: whole 64-blocks
 
 
+def rows_ok(a: Tensor, s: Tensor, ape: Tensor | None, positions: Tensor | None) -> bool:
+    """Whether the entry kernels (this one's and ``c128_pool.entries``) read these compressor rows:
+    a, s [T, W] float32, or bf16 (the GEMMs' own output, widened on load: exact) with their
+    position bias still to add, ``ape`` [ratio, W] float32 with contiguous dims at ``positions``
+    [T] (the bias added on load, one float32 add as ``ops.with_position_bias``'s)."""
+    if a.dtype != s.dtype or a.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if positions is None:
+        return ape is None and a.dtype == torch.float32
+    return (ape is not None and ape.dtype == torch.float32 and ape.dim() == 2 and ape.shape[1] == a.shape[1]
+            and ape.stride(1) == 1 and positions.dim() == 1 and positions.shape[0] == a.shape[0]
+            and not positions.dtype.is_floating_point)
+
+
 def supported(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, idx: Tensor,
-              rope: tuple[Tensor, Tensor], cfg: V4Config, is_indexer: bool) -> bool:
+              rope: tuple[Tensor, Tensor], cfg: V4Config, is_indexer: bool, ape: Tensor | None = None,
+              positions: Tensor | None = None) -> bool:
     """Whether ``ops.c4_entries`` takes the kernel for these operands: switched on
-    (``SGLANG_DSV4_C4_ENTRIES_KERNEL``, on by default); float32 rows and states with contiguous dims
-    (any row strides), 8-row windows and states, a rotation table (``ops.Rope``: cos, sin) with
-    contiguous dims, shapes the kernel holds (``_dims_ok``); a CUDA
+    (``SGLANG_DSV4_C4_ENTRIES_KERNEL``, on by default); rows it reads (``rows_ok``) and float32
+    states with contiguous dims (any row strides), 8-row windows and states, a rotation table
+    (``ops.Rope``: cos, sin) with contiguous dims, shapes the kernel holds (``_dims_ok``); a CUDA
     tensor (or the interpreter)."""
     if not ENABLED:
         return False
-    if not (a.dtype == s.dtype == state_a.dtype == state_s.dtype == torch.float32):
+    if not (rows_ok(a, s, ape, positions) and state_a.dtype == state_s.dtype == torch.float32):
         return False
     if a.dim() != 2 or s.shape != a.shape or a.shape[1] % 2 or state_a.dim() != 3 or state_s.shape != state_a.shape:
         return False
@@ -85,11 +100,14 @@ def supported(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, idx: Tenso
 @torch.compiler.disable  # kernel launches, never traced
 def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Tensor, idx: Tensor,
                dst: tuple[Tensor, Tensor], norm: Tensor, rope: tuple[Tensor, Tensor], cfg: V4Config,
-               is_indexer: bool, quant_sim: bool, num_warps: int | None = None) -> Tensor:
+               is_indexer: bool, quant_sim: bool, num_warps: int | None = None, ape: Tensor | None = None,
+               positions: Tensor | None = None) -> Tensor:
     """``ops.c4_entries_torch``: the entry each token's 8-row window completes, finished -> [T, d]
     float32; then ``state_a[dst] = a``, ``state_s[dst] = s`` in place.
 
-    a, s [T, 2d] the chunk's rows; state_* [slots, 8, 2d] a layer's slot states (views);
+    a, s [T, 2d] the chunk's rows (float32, or bf16 with ``ape`` [4, 2d] and ``positions`` [T]: s
+    before its position bias, which the kernels add in float32 as ``ops.with_position_bias``);
+    state_* [slots, 8, 2d] a layer's slot states (views);
     ``slots`` [B] the step's requests' slots; ``idx`` [T, 8] rows of [state rows of ``slots`` (B * 8);
     a, s (T); a padding row]; ``dst`` (slot [T], row [T]); ``norm`` [d] the compressor's norm
     weight; ``rope`` (cos, sin [T, rope_dim / 2], ``ops.Rope``) each token's rotation at its group's
@@ -103,25 +121,29 @@ def c4_entries(a: Tensor, s: Tensor, state_a: Tensor, state_s: Tensor, slots: Te
     if not _dims_ok(d, rope_dim, nope, is_indexer) or idx.shape != (T, WINDOW) or state_a.shape[1:] != (WINDOW, d2):
         raise ValueError(f"c4_entries: rows {tuple(a.shape)}, windows {tuple(idx.shape)}, states "
                          f"{tuple(state_a.shape)}, rope {rope_dim}, nope {nope}, indexer {is_indexer}")
+    if not rows_ok(a, s, ape, positions):
+        raise ValueError(f"c4_entries: rows {a.dtype} / {s.dtype}, bias {None if ape is None else tuple(ape.shape)}, "
+                         f"positions {None if positions is None else tuple(positions.shape)}")
     out = torch.empty(T, d, dtype=torch.float32, device=a.device)
     if T == 0:
         return out
     dst_slot, dst_row = dst[0].contiguous(), dst[1].contiguous()
     idx, slots, norm = idx.contiguous(), slots.contiguous(), norm.contiguous()
+    bias, pos, ratio = (s, s, 0) if ape is None else (ape, positions.contiguous(), ape.shape[0])
     block = pow2(d)
     pdl = pdl_options(a)
     c4_entries_kernel[(T,)](
-        a, s, state_a, state_s, slots, idx, norm, cos, sin, out,
-        T, slots.shape[0] * WINDOW, a.stride(0), s.stride(0), state_a.stride(0), state_a.stride(1),
+        a, s, bias, pos, state_a, state_s, slots, idx, norm, cos, sin, out,
+        T, slots.shape[0] * WINDOW, a.stride(0), s.stride(0), bias.stride(0), state_a.stride(0), state_a.stride(1),
         state_s.stride(0), state_s.stride(1), idx.stride(0), cos.stride(0), sin.stride(0), cfg.rms_norm_eps,
         D=d, BLOCK_D=block, ROPE=rope_dim, NOPE=nope, ROWS=WINDOW, WINDOW=WINDOW, IS_INDEXER=is_indexer,
-        QUANT=quant_sim, LOG2_D=block.bit_length() - 1, HAD_SCALE=d**-0.5,
+        QUANT=quant_sim, LOG2_D=block.bit_length() - 1, HAD_SCALE=d**-0.5, RATIO=ratio,
         num_warps=num_warps or (8 if block >= 512 else 4), **pdl)
     c4_state_write_kernel[(T,)](
-        a, s, state_a, state_s, dst_slot, dst_row, a.stride(0), s.stride(0), state_a.stride(0),
-        state_a.stride(1), state_s.stride(0), state_s.stride(1), W=d2, BLOCK_W=pow2(d2),
-        num_warps=4, **pdl)
+        a, s, bias, pos, state_a, state_s, dst_slot, dst_row, a.stride(0), s.stride(0), bias.stride(0),
+        state_a.stride(0), state_a.stride(1), state_s.stride(0), state_s.stride(1), W=d2, BLOCK_W=pow2(d2),
+        RATIO=ratio, num_warps=4, **pdl)
     return out
 
 
-__all__ = ["ENABLED", "c4_entries", "supported"]
+__all__ = ["ENABLED", "c4_entries", "rows_ok", "supported"]

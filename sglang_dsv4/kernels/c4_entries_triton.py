@@ -116,20 +116,34 @@ def finish_entry(pooled, Norm, Cos, Sin, row, cos_stride, sin_stride, eps, D: tl
     return y
 
 
-@triton.jit(do_not_specialize=["T", "n_prev", "a_stride", "s_stride", "sa_slot", "sa_row", "ss_slot", "ss_row",
-                               "idx_stride", "cos_stride", "sin_stride"])
-def c4_entries_kernel(A, S, StateA, StateS, Slots, Idx, Norm, Cos, Sin, Out,
-                      T, n_prev, a_stride, s_stride, sa_slot, sa_row, ss_slot, ss_row, idx_stride,
+@triton.jit
+def load_rows(A, S, Ape, Pos, rows, cols, mask, a_stride, s_stride, ape_stride, RATIO: tl.constexpr):
+    """A compressor's rows ``rows`` [R] of A and S at ``cols`` ([R, C] or [C]), widened to float32
+    (exact); RATIO > 0: S before its position bias, which is added here (row r's position in
+    ``Pos``, mod RATIO, picks the row of ``Ape``: one float32 add, ``ops.with_position_bias``)."""
+    a = tl.load(A + rows * a_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(S + rows * s_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if RATIO > 0:
+        p = tl.load(Pos + rows).to(tl.int64) % RATIO  # rows: valid indices, masked or not
+        s = s + tl.load(Ape + p * ape_stride + cols, mask=mask, other=0.0)
+    return a, s
+
+
+@triton.jit(do_not_specialize=["T", "n_prev", "a_stride", "s_stride", "ape_stride", "sa_slot", "sa_row", "ss_slot",
+                               "ss_row", "idx_stride", "cos_stride", "sin_stride"])
+def c4_entries_kernel(A, S, Ape, Pos, StateA, StateS, Slots, Idx, Norm, Cos, Sin, Out,
+                      T, n_prev, a_stride, s_stride, ape_stride, sa_slot, sa_row, ss_slot, ss_row, idx_stride,
                       cos_stride, sin_stride, eps,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr, NOPE: tl.constexpr,
                       ROWS: tl.constexpr, WINDOW: tl.constexpr, IS_INDEXER: tl.constexpr, QUANT: tl.constexpr,
-                      LOG2_D: tl.constexpr, HAD_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+                      LOG2_D: tl.constexpr, HAD_SCALE: tl.constexpr, RATIO: tl.constexpr = 0,
+                      PDL: tl.constexpr = False):
     """Program t: token t's entry [D] (``ops.c4_entries_torch`` less its state writes).
 
     Its window's rows ``Idx[t, :WINDOW]`` index [the slot states' rows (n_prev = B * ROWS: row
     i is row i % ROWS of slot ``Slots[i // ROWS]``); the chunk's rows of A, S (T); a padding row
     (a 0, s -inf)]; the first WINDOW / 2 rows give their A half (dims 0..D-1), the others their
-    B half (D..2D-1). Per dim a softmax of s over the WINDOW rows weights a (``pool_c4_windows``);
+    B half (D..2D-1); the chunk's rows as ``load_rows`` reads them (RATIO: their bias). Per dim a softmax of s over the WINDOW rows weights a (``pool_c4_windows``);
     then ``finish_entries``: RMS norm by ``Norm``, RoPE of the last ROPE dims (interleaved pairs)
     at row t of ``Cos`` / ``Sin`` (float64, used in fp32), then FP8 QAT of the first NOPE dims in
     blocks of 64 (main, QUANT) or the Hadamard rotation and FP4 QAT in blocks of 32 (indexer)."""
@@ -148,9 +162,9 @@ def c4_entries_kernel(A, S, StateA, StateS, Slots, Idx, Norm, Cos, Sin, Out,
     m_state = from_state[:, None] & inside[None, :]
     m_chunk = from_chunk[:, None] & inside[None, :]
     a_state = tl.load(StateA + (slot * sa_slot + srow * sa_row)[:, None] + col, mask=m_state, other=0.0)
-    a_chunk = tl.load(A + (crow * a_stride)[:, None] + col, mask=m_chunk, other=0.0)
     s_state = tl.load(StateS + (slot * ss_slot + srow * ss_row)[:, None] + col, mask=m_state, other=0.0)
-    s_chunk = tl.load(S + (crow * s_stride)[:, None] + col, mask=m_chunk, other=0.0)
+    a_chunk, s_chunk = load_rows(A, S, Ape, Pos, crow[:, None], col, m_chunk, a_stride, s_stride, ape_stride,
+                                 RATIO)
     a = tl.where(from_state[:, None], a_state, a_chunk)  # the padding row: 0
     s = tl.where(from_state[:, None], s_state, tl.where(from_chunk[:, None], s_chunk, float("-inf")))
     s = tl.where(inside[None, :], s, 0.0)  # lanes past D: finite, unused
@@ -166,16 +180,19 @@ def c4_entries_kernel(A, S, StateA, StateS, Slots, Idx, Norm, Cos, Sin, Out,
     tl.store(Out + t * D + c, y, mask=inside)
 
 
-@triton.jit(do_not_specialize=["a_stride", "s_stride", "sa_slot", "sa_row", "ss_slot", "ss_row"])
-def c4_state_write_kernel(A, S, StateA, StateS, DstSlot, DstRow, a_stride, s_stride, sa_slot, sa_row,
-                          ss_slot, ss_row, W: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
-    """Program t: ``StateA[DstSlot[t], DstRow[t]] = A[t]``, the same of S (rows W wide): the
-    states' in-place writes, a launch after the entries' (which read the rows these overwrite)."""
+@triton.jit(do_not_specialize=["a_stride", "s_stride", "ape_stride", "sa_slot", "sa_row", "ss_slot", "ss_row"])
+def c4_state_write_kernel(A, S, Ape, Pos, StateA, StateS, DstSlot, DstRow, a_stride, s_stride, ape_stride, sa_slot,
+                          sa_row, ss_slot, ss_row, W: tl.constexpr, BLOCK_W: tl.constexpr, RATIO: tl.constexpr = 0,
+                          PDL: tl.constexpr = False):
+    """Program t: ``StateA[DstSlot[t], DstRow[t]] = A[t]``, the same of S (rows W wide, as
+    ``load_rows`` reads them): the states' in-place writes, a launch after the entries' (which
+    read the rows these overwrite)."""
     await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     slot = tl.load(DstSlot + t).to(tl.int64)
     row = tl.load(DstRow + t).to(tl.int64)
     c = tl.arange(0, BLOCK_W)
     live = c < W
-    tl.store(StateA + slot * sa_slot + row * sa_row + c, tl.load(A + t * a_stride + c, mask=live), mask=live)
-    tl.store(StateS + slot * ss_slot + row * ss_row + c, tl.load(S + t * s_stride + c, mask=live), mask=live)
+    a, s = load_rows(A, S, Ape, Pos, t, c, live, a_stride, s_stride, ape_stride, RATIO)
+    tl.store(StateA + slot * sa_slot + row * sa_row + c, a, mask=live)
+    tl.store(StateS + slot * ss_slot + row * ss_row + c, s, mask=live)

@@ -116,6 +116,28 @@ for preset in ("micro", "tiny"):
             mismatched += int(diff.sum())
             total += diff.numel()
             worst_step = max(worst_step, float(err[:, :coded].max()))
+    # the GEMMs' bf16 rows with the position bias still to add (ops.compressor_gemms): the torch
+    # ops widen them and add it first (the bits of the rows given so), the kernel on load
+    positions = torch.cat([torch.arange(p0, p0 + n) for p0, n in reqs])
+    w["attn.compressor.ape"] = ape = torch.randn(128, d, generator=g)
+    a16, s16 = a.bfloat16(), s.bfloat16()
+    assert c128_pool.entries_supported(a16, s16, state, rope, cfg, ape, positions)
+    assert not c128_pool.entries_supported(a16, s16, state, rope, cfg)  # bf16 rows need their bias
+    tail = (seg.completes, seg.store_slot, w, rope, cfg, False)
+    want_state, plain_state, got_state = state.clone(), state.clone(), state.clone()
+    c128_pool.ENTRIES = False
+    want = ops.c128_entries(a16, s16, *args, want_state, *tail, positions)
+    plain = ops.c128_entries(a16.float(), ops.with_position_bias(s16, ape, positions, torch.float32), *args,
+                             plain_state, *tail)
+    if not (torch.equal(want.nan_to_num(), plain.nan_to_num()) and torch.equal(want_state[:-1], plain_state[:-1])):
+        worst_plain = float("inf")
+    c128_pool.ENTRIES = True
+    got = ops.c128_entries(a16, s16, *args, got_state, *tail, positions)
+    scale = want_state[:-1].abs().nan_to_num(0.0, 0.0, 0.0).amax(-1, keepdim=True) + 1e-30
+    worst_plain = max(worst_plain, float(((got_state[:-1] - want_state[:-1]).abs() / scale).nan_to_num(0.0).max()))
+    real = torch.isfinite(want).all(-1)
+    worst_plain = max(worst_plain, float(((got[real] - want[real]).abs()
+                                          / want[real].abs().amax(-1, keepdim=True)).max()))
 print("mismatched", mismatched, "of", total, "worst step", worst_step)
 if mismatched > max(2, 1e-3 * total) or worst_step > 0.5:
     worst_plain = float("inf")
@@ -127,7 +149,8 @@ def test_the_entries_kernel_gives_the_torch_ops_entries_and_states(triton_interp
     """``ops.c128_entries`` through ``c128_pool.entries`` (two launches) against the torch ops it
     replaces (``c128_start``, the pooling, ``c128_finish``), interpreted: segments of decode tokens
     and of chunks across group boundaries (a request's first segment reads the state its last one
-    writes), padding segments, quantisation simulated and not; the states and float dims within
+    writes), padding segments, quantisation simulated and not, float32 rows and the GEMMs' bf16
+    rows with their position bias added by the kernel; the states and float dims within
     rounding, the fp8 codes the same but within rounding of a boundary."""
     assert triton_interpreted(_ENTRIES) < 2e-6
 

@@ -138,3 +138,45 @@ def test_the_entries_kernel_gives_the_torch_ops_entries_and_states(quant, monkey
     if quant:
         diff = got[:, :coded] != want[:, :coded]
         assert int(diff.sum()) <= max(2, 1e-3 * diff.numel()) and float(err[:, :coded].max()) <= 0.5
+
+
+def test_bf16_rows_with_their_bias_give_the_bits_of_the_rows_widened_and_biased(monkeypatch):
+    """The compressor GEMMs' bf16 rows with the position bias still to add (``ops.compressor_gemms``,
+    the serving step's operands) through ``c128_pool.entries`` (widened and biased on load) and
+    through the torch ops (widened and biased first): each gives the bits it gives the float32
+    rows with the bias added beforehand (``ops.with_position_bias``), entries and states."""
+    from sglang_dsv4.core.step import _c128_segments
+    from sglang_dsv4.tiny import preset_config
+
+    cfg = preset_config("tiny")
+    d = cfg.head_dim
+    g = torch.Generator().manual_seed(6)
+    starts = torch.cat((torch.randint(0, 5000, (64,), generator=g), torch.tensor([100, 250])))
+    starts[:8] = 127
+    lens = torch.cat((torch.ones(64, dtype=torch.long), torch.tensor([200, 6])))
+    row0 = torch.cumsum(torch.cat((torch.zeros(1, dtype=torch.long), lens)), 0)[:-1]
+    n_slots = lens.numel() + 3
+    slots = torch.randperm(n_slots - 1, generator=g)[:lens.numel()]
+    seg = _c128_segments(starts, lens, row0, slots, n_slots - 1)
+    seg_slots = slots[torch.searchsorted(row0, seg.last_tok, right=True) - 1]
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    T = int(lens.sum())
+    positions = dev(torch.cat([torch.arange(p, p + n) for p, n in zip(starts.tolist(), lens.tolist())]))
+    a16 = dev(torch.randn(T, d, generator=g) * 2).bfloat16()
+    s16 = dev(torch.randn(T, d, generator=g) * 3).bfloat16()
+    state = dev(torch.randn(n_slots, 2, 3, d, generator=g))[:, 1]
+    state[:, 1] = state[:, 1].abs() + 0.5
+    ape = dev(torch.randn(128, d, generator=g))
+    w = {"attn.compressor.norm.weight": dev(torch.rand(d, generator=g) + 0.5), "attn.compressor.ape": ape}
+    rope = ops.rope_at(dev(seg.first_pos), ops.layer_inv_freqs(cfg, 128, DEV))
+    args = (dev(seg.tok), seg.width, dev(seg.carry), dev(seg_slots))
+    tail = (dev(seg.completes), dev(seg.store_slot), w, rope, cfg, True)
+    wide = (a16.float(), ops.with_position_bias(s16, ape, positions, torch.float32))
+    for on in (True, False):
+        monkeypatch.setattr(c128_pool, "ENTRIES", on)
+        assert c128_pool.entries_supported(a16, s16, state, rope, cfg, ape, positions) == on
+        got_state, want_state = state.clone(), state.clone()
+        got = ops.c128_entries(a16, s16, *args, got_state, *tail, positions)
+        want = ops.c128_entries(*wide, *args, want_state, *tail)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), on
+        assert torch.equal(got_state[:-1], want_state[:-1]), on

@@ -3,7 +3,8 @@
 (d 80: a width past a power of two) and V4-Flash's (512 / 128), quantisation simulated and not,
 several requests mixing decode tokens, short chunks (whose state writes overwrite rows other
 tokens' windows read) and long ones, windows reaching back before position 0 (padding rows),
-tokens whose rows go to the scratch slot, a strided chunk. The states after the call are the
+tokens whose rows go to the scratch slot, a strided chunk; float32 rows, and the GEMMs' bf16 rows
+with their position bias added by the kernels. The states after the call are the
 region's bit for bit; the entries within float rounding (the interpreter's exp and sums are
 numpy's), and after QAT the same codes but where a value lies within rounding of a boundary.
 With the switch off ``ops.c4_entries`` runs the torch region."""
@@ -87,6 +88,28 @@ for preset, chunks in (("micro", [(0, 3), (9, 1), (30, 12), (5, 20)]),
             mismatched += int(diff.sum())
             total += diff.numel()
             worst_step = max(worst_step, float(err[:, :coded].max()))
+        # the GEMMs' bf16 rows with the position bias still to add (ops.compressor_gemms): the
+        # kernels widen them and add the bias on load; the states take the region's bits
+        ape = torch.randn(4, 2 * d, generator=g)
+        a16, s16 = a.bfloat16(), s.bfloat16()
+        assert kernel.supported(a16, s16, state_a, state_s, idx, rope, cfg, kind == "index", ape, positions)
+        assert not kernel.supported(a16, s16, state_a, state_s, idx, rope, cfg, kind == "index")  # bf16 needs it
+        w[f"{prefix}.ape"] = ape
+        sa, ss = state_a.clone(), state_s.clone()
+        want = ops.c4_entries_torch(a16, s16, sa, ss, slots, idx, dst, w, prefix, rope, cfg, kind == "index", False,
+                                    positions)
+        sa2, ss2 = state_a.clone(), state_s.clone()
+        biased = ops.with_position_bias(s16, ape, positions, torch.float32)
+        plain = ops.c4_entries_torch(a16.float(), biased, sa2, ss2, slots, idx, dst, w, prefix, rope, cfg,
+                                     kind == "index", False)
+        if not (torch.equal(want, plain) and torch.equal(sa[:-1], sa2[:-1]) and torch.equal(ss[:-1], ss2[:-1])):
+            worst_plain = float("inf")
+        ka, ks = state_a.clone(), state_s.clone()
+        got = ops.c4_entries(a16, s16, ka, ks, slots, idx, dst, w, prefix, rope, cfg, kind == "index", False,
+                             positions)
+        if not (torch.equal(ka[:-1], sa[:-1]) and torch.equal(ks[:-1], ss[:-1])):
+            worst_plain = float("inf")
+        worst_plain = max(worst_plain, float(((got - want).abs() / want.abs().amax(-1, keepdim=True)).max()))
 print("mismatched", mismatched, "of", total, "worst step", worst_step)
 
 # the quantisers alone, bit for bit against quant.fp8_qat / fp4_qat: ties of both formats (to even),

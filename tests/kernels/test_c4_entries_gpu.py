@@ -93,3 +93,29 @@ def test_the_kernel_replays_from_a_graph(kind, monkeypatch):
     want = ops.c4_entries(fresh[0], fresh[1], eager_a, eager_s, *fresh[4:])
     assert torch.equal(out, want)
     assert torch.equal(state_a[:-1], eager_a[:-1]) and torch.equal(state_s[:-1], eager_s[:-1])
+
+
+@pytest.mark.parametrize("kind", ["main", "index"])
+@pytest.mark.parametrize("B,chunked", [(64, False), (64, True)])
+def test_bf16_rows_with_their_bias_give_the_bits_of_the_rows_widened_and_biased(B, chunked, kind, monkeypatch):
+    """The compressor GEMMs' bf16 rows with the position bias still to add (``ops.compressor_gemms``,
+    the serving step's operands): the kernel widens them and adds the bias on load, the region
+    first; each gives the bits it gives the float32 rows with the bias added beforehand
+    (``ops.with_position_bias``), entries and states."""
+    monkeypatch.setattr(kernel, "ENABLED", True)
+    cfg, args = _case(B, chunked, kind, 7 + chunked)
+    a, s, state_a, state_s, slots, idx, dst, w, prefix, rope = args[:10]
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 9000, (a.shape[0],), generator=g).to(DEV)
+    w[f"{prefix}.ape"] = ape = (torch.randn(4, a.shape[1], generator=g)).to(DEV)
+    a16, s16 = a.bfloat16(), s.bfloat16()
+    wide = (a16.float(), ops.with_position_bias(s16, ape, positions, torch.float32))
+    rest = (slots, idx, dst, w, prefix, rope, cfg, kind == "index", True)
+    assert kernel.supported(a16, s16, state_a, state_s, idx, rope, cfg, kind == "index", ape, positions)
+    for region in (False, True):
+        fn = ops.c4_entries_torch if region else ops.c4_entries
+        sa, ss, sa2, ss2 = state_a.clone(), state_s.clone(), state_a.clone(), state_s.clone()
+        got = fn(a16, s16, sa, ss, *rest, positions)
+        want = fn(*wide, sa2, ss2, *rest)
+        assert torch.equal(got, want), region
+        assert torch.equal(sa[:-1], sa2[:-1]) and torch.equal(ss[:-1], ss2[:-1]), region
