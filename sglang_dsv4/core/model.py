@@ -440,7 +440,8 @@ class V4Model:
             visible = step.derived(("visible", ratio), lambda: (pos + 1) // ratio)
             main = f"main{layer}"
             # x cast once for the compressors' GEMMs (bf16 matrices), before the chains fork
-            xc = ops.compressor_input(x, w)
+            # (stacked, their products are in xp already)
+            xc = x if xp else ops.compressor_input(x, w)
         if ratio == 4:
             windows = self._c4_windows(step, freqs)
             for kind, prefix, name in (("main", "attn.compressor", main),
