@@ -46,7 +46,9 @@ independent chains on side streams, ``core.branches``), ``moe_fused_swiglu`` =
 ``SGLANG_DSV4_MOE_FUSED_SWIGLU=1`` (the routed experts' SwiGLU as GEMM 1's epilogue,
 ``kernels.fp8_moe``), ``stack_x`` = ``SGLANG_DSV4_STACK_X=1`` (an attention sublayer's input
 matrices stacked by storage kind, one GEMM each, ``core.ops``; read when a path's model is
-built), ``pdl`` = ``SGLANG_DSV4_PDL=1`` (this package's Triton kernels launched with
+built), ``stack_compressor`` = ``SGLANG_DSV4_STACK_COMPRESSOR=1`` (each compressor's wkv and
+wgate stacked, one GEMM a compressor; read when a path's model is built), ``pdl`` =
+``SGLANG_DSV4_PDL=1`` (this package's Triton kernels launched with
 programmatic dependent launch, ``kernels.pdl_triton``). The switches are read per call; a path's
 graphs keep what was on while they were captured.
 
@@ -280,7 +282,7 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
             "entry_rows_kernel": (entry_rows, "ENABLED"), "topk_split": (topk, "SPLIT"),
             "c4_entries_kernel": (c4_entries, "ENABLED"), "hc_boundary_kernel": (hc_boundary, "ENABLED"),
             "c128_entries_kernel": (c128_pool, "ENTRIES"), "swiglu_one_wave": (fp8_moe, "SWIGLU_ONE_WAVE"),
-            "fp8_operands": (fp8_linear, "SHARED_OPERANDS")}
+            "fp8_operands": (fp8_linear, "SHARED_OPERANDS"), "stack_compressor": (ops, "STACK_COMPRESSOR")}
 
 
 SWITCHES = tuple(_switch_modules())  # their names, for --switches

@@ -130,6 +130,8 @@ class V4Model:
             self._stack_experts()
         if ops.STACK_X and self.device.type == "cuda":
             self._stack_x_matrices()
+        elif ops.STACK_COMPRESSOR and self.device.type == "cuda":
+            self._stack_compressor_matrices()
         self.branches = Branches(self.device)  # a layer's independent chains (side streams where on)
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() is called
         self.extend_graphs = None  # ExtendGraphs once enable_cuda_graphs(extend=True) is called
@@ -194,6 +196,14 @@ class V4Model:
         for prefix, lw in self._layer_views():
             if ops.stack_x_matrices(lw):
                 self.w.update({f"{prefix}.{n}": lw[n] for n in ops.X_MATRICES if n in lw})
+
+    def _stack_compressor_matrices(self) -> None:
+        """Each compressor's wkv and wgate stacked (``ops.stack_compressor_matrices``), one GEMM a
+        compressor; the model's per-matrix entries become views of the stacks."""
+        for prefix, lw in self._layer_views():
+            for stack in ops.stack_compressor_matrices(lw):
+                name = stack.removesuffix(ops.KV_GATE)
+                self.w.update({f"{prefix}.{name}.{m}.weight": lw[f"{name}.{m}.weight"] for m in ("wkv", "wgate")})
 
     # ---- main model ----------------------------------------------------------------------
     @torch.no_grad()

@@ -386,6 +386,33 @@ def stack_x_matrices(w: dict[str, Tensor]) -> list[str]:
     return made
 
 
+# Each compressor's two bf16 matrices (wkv, wgate) stacked into one, one GEMM a compressor instead of
+# two (a C4 layer: two GEMMs and their split-K reductions fewer, a C128 layer one and one), each
+# compressor's chain still on its own side stream (unlike ``STACK_X``, which forks after one GEMM
+# of all seven). GPU models only, at construction (``V4Model._stack_compressor_matrices``); a
+# GEMM of twice the columns may sum in another order (the bits within rounding). Opt-in until a
+# step has timed it (``bench_decode --switches stack_compressor``).
+STACK_COMPRESSOR = os.environ.get("SGLANG_DSV4_STACK_COMPRESSOR", "0") == "1"
+COMPRESSORS = ("attn.compressor", "attn.indexer.compressor")
+KV_GATE = ".wkv_wgate"  # + a compressor's prefix: its stacked [wkv; wgate]
+
+
+def stack_compressor_matrices(w: dict[str, Tensor]) -> list[str]:
+    """Stack each compressor's wkv and wgate (same dtype and shape, not fp8) into one matrix
+    (prefix + ``KV_GATE``) and make their entries row views of it (no second copy) -> the
+    stacks made."""
+    made = []
+    for prefix in COMPRESSORS:
+        kv, gate = w.get(f"{prefix}.wkv.weight"), w.get(f"{prefix}.wgate.weight")
+        if not (isinstance(kv, Tensor) and isinstance(gate, Tensor)) or kv.dtype != gate.dtype or kv.shape != gate.shape:
+            continue
+        stack, n = torch.cat((kv, gate)), kv.shape[0]
+        w[f"{prefix}.wkv.weight"], w[f"{prefix}.wgate.weight"] = stack[:n], stack[n:]
+        w[prefix + KV_GATE] = stack
+        made.append(prefix + KV_GATE)
+    return made
+
+
 def has_x_stack(w: dict[str, Tensor]) -> bool:
     """Whether the layer ``w`` holds stacked input matrices (``stack_x_matrices``)."""
     return any(k.startswith(X_STACK) for k in w)
@@ -484,7 +511,13 @@ def compressor_gemms(x: Tensor, w: dict[str, Tensor], prefix: str, xa: Tensor | 
     before its position bias (``with_position_bias``). The serving step hands them to the entry
     kernels as they are: x in the matrices' dtype (``compressor_input``), the rows stay bf16 and
     the kernels widen them and add the bias on load, where casts and the bias add would be three
-    launches of their own. ``xa``, ``xs``: computed already (``x_projections``)."""
+    launches of their own. ``xa``, ``xs``: computed already (``x_projections``); else one GEMM
+    where the two matrices are stacked (``stack_compressor_matrices``: a, s column views)."""
+    pair = w.get(prefix + KV_GATE)
+    if xa is None and xs is None and pair is not None:
+        y = linear(x, pair)
+        n = y.shape[1] // 2
+        return y[:, :n], y[:, n:]
     a = linear(x, w[f"{prefix}.wkv.weight"]) if xa is None else xa
     s = linear(x, w[f"{prefix}.wgate.weight"]) if xs is None else xs
     return a, s

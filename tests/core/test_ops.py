@@ -103,6 +103,64 @@ def test_stacked_input_matrices_are_views_and_project_x_as_the_matrices_do(tiny_
     assert kinds == {ops.X_STACK + "fp8", ops.X_STACK + str(ckpt.tensors["layers.1.attn.compressor.wkv.weight"].dtype)[6:]}
 
 
+def test_stacked_compressor_pairs_are_views_and_give_each_matrix_its_product(tiny_dir):
+    """``ops.stack_compressor_matrices``: each compressor's wkv and wgate become row views of one
+    stack, and ``compressor_gemms`` takes one GEMM of it whose column halves are each matrix's
+    own product (summation order apart); fp8 matrices and lone ones are left as they are."""
+    from sglang_dsv4.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_dir, weight_mode="fp8")
+    x = torch.randn(37, ckpt.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    made_any = 0
+    for i in range(ckpt.config.num_hidden_layers):
+        plain, stacked = ops.layer_view(ckpt.tensors, f"layers.{i}"), ops.layer_view(ckpt.tensors, f"layers.{i}")
+        made = ops.stack_compressor_matrices(stacked)
+        assert made == [p + ops.KV_GATE for p in ops.COMPRESSORS if f"{p}.wkv.weight" in plain]
+        made_any += len(made)
+        for prefix in ops.COMPRESSORS:
+            if prefix + ops.KV_GATE not in stacked:
+                continue
+            base = stacked[prefix + ops.KV_GATE].untyped_storage().data_ptr()
+            for m in ("wkv", "wgate"):
+                name = f"{prefix}.{m}.weight"
+                assert stacked[name].untyped_storage().data_ptr() == base and torch.equal(stacked[name], plain[name])
+            got, want = ops.compressor_gemms(x, stacked, prefix), ops.compressor_gemms(x, plain, prefix)
+            for y, z in zip(got, want):
+                assert torch.allclose(y, z, rtol=1e-5, atol=1e-6 * z.abs().max().item()), prefix
+    assert made_any >= 2  # the tiny model's C4 layer: both of its compressors
+    w8 = ops.Fp8Weight(torch.zeros(128, 256).to(torch.float8_e4m3fn), torch.ones(1, 2))
+    assert ops.stack_compressor_matrices({"attn.compressor.wkv.weight": w8, "attn.compressor.wgate.weight": w8}) == []
+    assert ops.stack_compressor_matrices({"attn.compressor.wkv.weight": torch.zeros(4, 8)}) == []
+
+
+def test_a_model_with_stacked_compressor_pairs_gives_the_unstacked_logits(tiny_dir):
+    """``V4Model._stack_compressor_matrices`` (a GPU model's at construction with
+    ``SGLANG_DSV4_STACK_COMPRESSOR=1``; called here on the CPU): the model's entries become views
+    and a prefill + decode gives the unstacked model's logits (summation order apart)."""
+    from sglang_dsv4.checkpoint import load_checkpoint
+    from sglang_dsv4.core.cache import V4Cache
+    from sglang_dsv4.core.model import V4Model
+
+    ckpt = load_checkpoint(tiny_dir, weight_mode="fp8")
+    cfg = ckpt.config
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for stack in (False, True):
+        model = V4Model(cfg, dict(ckpt.tensors))
+        if stack:
+            model._stack_compressor_matrices()
+            c4 = next(i for i, lw in enumerate(model.layers) if "attn.indexer.compressor.wkv.weight" in lw)
+            assert ops.KV_GATE in "".join(model.layers[c4])
+            name = f"layers.{c4}.attn.indexer.compressor.wgate.weight"
+            assert model.w[name] is model.layers[c4]["attn.indexer.compressor.wgate.weight"]
+        cache = V4Cache(cfg, max_requests=1, max_total_tokens=256)
+        req = cache.new_request()
+        out[stack] = torch.cat([model.forward(cache, [req], [ids[:18]])[0]] +
+                               [model.forward(cache, [req], [ids[t:t + 1]])[0] for t in range(18, 24)])
+    err = (out[True] - out[False]).norm(dim=-1) / out[False].norm(dim=-1)
+    assert err.max() < 1e-4, err.max()
+
+
 def test_fp8_matrices_that_would_split_a_scale_block_stay_apart():
     w8 = lambda n: ops.Fp8Weight(torch.zeros(n, 256).to(torch.float8_e4m3fn), torch.ones(-(-n // 128), 2))
     layer = {"attn.wq_a.weight": w8(96), "attn.wkv.weight": w8(128)}  # wkv would start mid-block

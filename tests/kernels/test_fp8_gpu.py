@@ -307,6 +307,35 @@ def test_stacked_input_matrices_project_as_the_matrices_and_hold_no_second_copy(
                 assert err.max() < 1e-2, (layer, T, name, err.max().item())
 
 
+def test_stacked_compressor_pairs_project_as_the_matrices_and_hold_no_second_copy(tiny_path, monkeypatch):
+    """``ops.STACK_COMPRESSOR``: each compressor's wkv and wgate stacked at construction, one GEMM
+    a compressor in ``compressor_gemms`` against the two GEMMs of the unstacked model (bf16 rows
+    in both: x cast once, ``compressor_input``); the columns agree to the GEMMs' rounding, the
+    weights' device bytes do not grow."""
+    cfg, path = _source("tiny", tiny_path)
+    models, nbytes = {}, {}
+    for stack in (False, True):
+        monkeypatch.setattr(ops, "STACK_COMPRESSOR", stack)
+        models[stack], nbytes[stack] = _load(cfg, "fp8", path)
+    assert nbytes[True] <= nbytes[False] * 1.001 + 2**20, nbytes
+    g = torch.Generator(device=DEV).manual_seed(5)
+    pairs = 0
+    for layer in range(cfg.num_hidden_layers):
+        plain, stacked = models[False].layers[layer], models[True].layers[layer]
+        for prefix in ops.COMPRESSORS:
+            if f"{prefix}.wkv.weight" not in plain:
+                continue
+            assert prefix + ops.KV_GATE in stacked and prefix + ops.KV_GATE not in plain
+            pairs += 1
+            for T in (1, 64, 300):
+                x = ops.compressor_input(torch.randn(T, cfg.hidden_size, generator=g, device=DEV), plain)
+                for y, z in zip(ops.compressor_gemms(x, stacked, prefix), ops.compressor_gemms(x, plain, prefix)):
+                    assert y.dtype == z.dtype == torch.bfloat16
+                    err = _rel(y.float(), z.float())
+                    assert err.max() < 1e-2, (layer, T, prefix, err.max().item())
+    assert pairs >= 2
+
+
 # ---- bytes on the GPU ---------------------------------------------------------------------------
 
 def _flash4() -> V4Config:
