@@ -133,10 +133,10 @@ def test_stacked_compressor_pairs_are_views_and_give_each_matrix_its_product(tin
     assert ops.stack_compressor_matrices({"attn.compressor.wkv.weight": torch.zeros(4, 8)}) == []
 
 
-def test_a_model_with_stacked_compressor_pairs_gives_the_unstacked_logits(tiny_dir):
-    """``V4Model._stack_compressor_matrices`` (a GPU model's at construction with
-    ``SGLANG_DSV4_STACK_COMPRESSOR=1``; called here on the CPU): the model's entries become views
-    and a prefill + decode gives the unstacked model's logits (summation order apart)."""
+def _stacked_against_plain_logits(tiny_dir, stack) -> float:
+    """The tiny fp8 model's prefill + decode logits with ``stack(model)`` applied (a stacking of
+    its matrices, checked by ``stack``) against the model as loaded -> the largest relative
+    difference a row."""
     from sglang_dsv4.checkpoint import load_checkpoint
     from sglang_dsv4.core.cache import V4Cache
     from sglang_dsv4.core.model import V4Model
@@ -145,20 +145,30 @@ def test_a_model_with_stacked_compressor_pairs_gives_the_unstacked_logits(tiny_d
     cfg = ckpt.config
     ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
     out = {}
-    for stack in (False, True):
+    for stacked in (False, True):
         model = V4Model(cfg, dict(ckpt.tensors))
-        if stack:
-            model._stack_compressor_matrices()
-            c4 = next(i for i, lw in enumerate(model.layers) if "attn.indexer.compressor.wkv.weight" in lw)
-            assert ops.KV_GATE in "".join(model.layers[c4])
-            name = f"layers.{c4}.attn.indexer.compressor.wgate.weight"
-            assert model.w[name] is model.layers[c4]["attn.indexer.compressor.wgate.weight"]
+        if stacked:
+            stack(model)
         cache = V4Cache(cfg, max_requests=1, max_total_tokens=256)
         req = cache.new_request()
-        out[stack] = torch.cat([model.forward(cache, [req], [ids[:18]])[0]] +
-                               [model.forward(cache, [req], [ids[t:t + 1]])[0] for t in range(18, 24)])
-    err = (out[True] - out[False]).norm(dim=-1) / out[False].norm(dim=-1)
-    assert err.max() < 1e-4, err.max()
+        out[stacked] = torch.cat([model.forward(cache, [req], [ids[:18]])[0]] +
+                                 [model.forward(cache, [req], [ids[t:t + 1]])[0] for t in range(18, 24)])
+    return float(((out[True] - out[False]).norm(dim=-1) / out[False].norm(dim=-1)).max())
+
+
+def test_a_model_with_stacked_compressor_pairs_gives_the_unstacked_logits(tiny_dir):
+    """``V4Model._stack_compressor_matrices`` (a GPU model's at construction with
+    ``SGLANG_DSV4_STACK_COMPRESSOR=1``; called here on the CPU): the model's entries become views
+    and a prefill + decode gives the unstacked model's logits (summation order apart)."""
+    def stack(model):
+        model._stack_compressor_matrices()
+        c4 = next(i for i, lw in enumerate(model.layers) if "attn.indexer.compressor.wkv.weight" in lw)
+        assert "attn.indexer.compressor" + ops.KV_GATE in model.layers[c4]
+        name = f"layers.{c4}.attn.indexer.compressor.wgate.weight"
+        assert model.w[name] is model.layers[c4]["attn.indexer.compressor.wgate.weight"]
+
+    err = _stacked_against_plain_logits(tiny_dir, stack)
+    assert err < 1e-4, err
 
 
 def test_fp8_matrices_that_would_split_a_scale_block_stay_apart():
@@ -174,23 +184,10 @@ def test_a_model_with_stacked_input_matrices_gives_the_unstacked_logits(tiny_dir
     """``V4Model._stack_x_matrices`` (which a GPU model runs at construction with
     ``SGLANG_DSV4_STACK_X=1``; called here on the CPU): the model's entries become views and a
     prefill + decode gives the unstacked model's logits (summation order apart)."""
-    from sglang_dsv4.checkpoint import load_checkpoint
-    from sglang_dsv4.core.cache import V4Cache
-    from sglang_dsv4.core.model import V4Model
+    def stack(model):
+        model._stack_x_matrices()
+        assert all(ops.has_x_stack(lw) for lw in model.layers)
+        assert model.w["layers.1.attn.wkv.weight"] is model.layers[1]["attn.wkv.weight"]
 
-    ckpt = load_checkpoint(tiny_dir, weight_mode="fp8")
-    cfg = ckpt.config
-    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
-    out = {}
-    for stack in (False, True):
-        model = V4Model(cfg, dict(ckpt.tensors))
-        if stack:
-            model._stack_x_matrices()
-            assert all(ops.has_x_stack(lw) for lw in model.layers)
-            assert model.w["layers.1.attn.wkv.weight"] is model.layers[1]["attn.wkv.weight"]
-        cache = V4Cache(cfg, max_requests=1, max_total_tokens=256)
-        req = cache.new_request()
-        out[stack] = torch.cat([model.forward(cache, [req], [ids[:18]])[0]] +
-                               [model.forward(cache, [req], [ids[t:t + 1]])[0] for t in range(18, 24)])
-    err = (out[True] - out[False]).norm(dim=-1) / out[False].norm(dim=-1)
-    assert err.max() < 1e-4, err.max()
+    err = _stacked_against_plain_logits(tiny_dir, stack)
+    assert err < 1e-4, err

@@ -95,20 +95,20 @@ def test_a_model_with_the_kernel_opted_in_follows_the_loop(switch, tiny_gpu, ser
     assert (kernel.argmax(-1) == loop.argmax(-1)).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("quant", [False, True])
-def test_the_entries_kernel_gives_the_torch_ops_entries_and_states(quant, monkeypatch):
-    """``c128_pool.entries`` (opt-in) against ``c128_start`` + the pooling + ``c128_finish`` at
-    V4-Flash's width: 64 decode requests (some completing a group) and chunks across group
-    boundaries (a request's first segment reads the state its last one writes back)."""
+def _entries_case(seed: int, chunks: list[tuple[int, int]]):
+    """64 decode requests at random positions (8 completing a group) and ``chunks`` (start, new
+    tokens) at V4-Flash's width -> (cfg, generator, positions [T], a, s [T, d] float32, state
+    [slots + scratch, 3, d] (a layer's view), w, rope, (tok, width, carry, slots), (completes,
+    store_slot)) on the GPU: ``ops.c128_entries``' operands but its flags."""
     from sglang_dsv4.core.step import _c128_segments
     from sglang_dsv4.tiny import preset_config
 
     cfg = preset_config("tiny")
     d = cfg.head_dim
-    g = torch.Generator().manual_seed(5)
-    starts = torch.cat((torch.randint(0, 5000, (64,), generator=g), torch.tensor([100, 250, 0])))
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.cat((torch.randint(0, 5000, (64,), generator=g), torch.tensor([c[0] for c in chunks])))
     starts[:8] = 127  # decode tokens completing a group
-    lens = torch.cat((torch.ones(64, dtype=torch.long), torch.tensor([200, 6, 130])))
+    lens = torch.cat((torch.ones(64, dtype=torch.long), torch.tensor([c[1] for c in chunks])))
     row0 = torch.cumsum(torch.cat((torch.zeros(1, dtype=torch.long), lens)), 0)[:-1]
     n_slots = lens.numel() + 3
     slots = torch.randperm(n_slots - 1, generator=g)[:lens.numel()]
@@ -116,14 +116,24 @@ def test_the_entries_kernel_gives_the_torch_ops_entries_and_states(quant, monkey
     seg_slots = slots[torch.searchsorted(row0, seg.last_tok, right=True) - 1]
     dev = lambda t: t.to(DEV)  # noqa: E731
     T = int(lens.sum())
+    positions = dev(torch.cat([torch.arange(p, p + n) for p, n in zip(starts.tolist(), lens.tolist())]))
     a = dev(torch.randn(T, 2 * d, generator=g) * 2)[:, :d]
     s = dev(torch.randn(T, d, generator=g) * 3)
     state = dev(torch.randn(n_slots, 2, 3, d, generator=g))[:, 1]
     state[:, 1] = state[:, 1].abs() + 0.5
     w = {"attn.compressor.norm.weight": dev(torch.rand(d, generator=g) + 0.5)}
     rope = ops.rope_at(dev(seg.first_pos), ops.layer_inv_freqs(cfg, 128, DEV))
-    args = (dev(seg.tok), seg.width, dev(seg.carry), dev(seg_slots))
-    tail = (dev(seg.completes), dev(seg.store_slot), w, rope, cfg, quant)
+    return (cfg, g, positions, a, s, state, w, rope, (dev(seg.tok), seg.width, dev(seg.carry), dev(seg_slots)),
+            (dev(seg.completes), dev(seg.store_slot)))
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_the_entries_kernel_gives_the_torch_ops_entries_and_states(quant, monkeypatch):
+    """``c128_pool.entries`` (opt-in) against ``c128_start`` + the pooling + ``c128_finish`` at
+    V4-Flash's width: 64 decode requests (some completing a group) and chunks across group
+    boundaries (a request's first segment reads the state its last one writes back)."""
+    cfg, _, _, a, s, state, w, rope, args, flags = _entries_case(5, [(100, 200), (250, 6), (0, 130)])
+    tail = (*flags, w, rope, cfg, quant)
     want_state, got_state = state.clone(), state.clone()
     monkeypatch.setattr(c128_pool, "ENTRIES", False)
     want = ops.c128_entries(a, s, *args, want_state, *tail)
@@ -145,32 +155,10 @@ def test_bf16_rows_with_their_bias_give_the_bits_of_the_rows_widened_and_biased(
     the serving step's operands) through ``c128_pool.entries`` (widened and biased on load) and
     through the torch ops (widened and biased first): each gives the bits it gives the float32
     rows with the bias added beforehand (``ops.with_position_bias``), entries and states."""
-    from sglang_dsv4.core.step import _c128_segments
-    from sglang_dsv4.tiny import preset_config
-
-    cfg = preset_config("tiny")
-    d = cfg.head_dim
-    g = torch.Generator().manual_seed(6)
-    starts = torch.cat((torch.randint(0, 5000, (64,), generator=g), torch.tensor([100, 250])))
-    starts[:8] = 127
-    lens = torch.cat((torch.ones(64, dtype=torch.long), torch.tensor([200, 6])))
-    row0 = torch.cumsum(torch.cat((torch.zeros(1, dtype=torch.long), lens)), 0)[:-1]
-    n_slots = lens.numel() + 3
-    slots = torch.randperm(n_slots - 1, generator=g)[:lens.numel()]
-    seg = _c128_segments(starts, lens, row0, slots, n_slots - 1)
-    seg_slots = slots[torch.searchsorted(row0, seg.last_tok, right=True) - 1]
-    dev = lambda t: t.to(DEV)  # noqa: E731
-    T = int(lens.sum())
-    positions = dev(torch.cat([torch.arange(p, p + n) for p, n in zip(starts.tolist(), lens.tolist())]))
-    a16 = dev(torch.randn(T, d, generator=g) * 2).bfloat16()
-    s16 = dev(torch.randn(T, d, generator=g) * 3).bfloat16()
-    state = dev(torch.randn(n_slots, 2, 3, d, generator=g))[:, 1]
-    state[:, 1] = state[:, 1].abs() + 0.5
-    ape = dev(torch.randn(128, d, generator=g))
-    w = {"attn.compressor.norm.weight": dev(torch.rand(d, generator=g) + 0.5), "attn.compressor.ape": ape}
-    rope = ops.rope_at(dev(seg.first_pos), ops.layer_inv_freqs(cfg, 128, DEV))
-    args = (dev(seg.tok), seg.width, dev(seg.carry), dev(seg_slots))
-    tail = (dev(seg.completes), dev(seg.store_slot), w, rope, cfg, True)
+    cfg, g, positions, a, s, state, w, rope, args, flags = _entries_case(6, [(100, 200), (250, 6)])
+    a16, s16 = a.bfloat16(), s.bfloat16()
+    w["attn.compressor.ape"] = ape = torch.randn(128, cfg.head_dim, generator=g).to(DEV)
+    tail = (*flags, w, rope, cfg, True)
     wide = (a16.float(), ops.with_position_bias(s16, ape, positions, torch.float32))
     for on in (True, False):
         monkeypatch.setattr(c128_pool, "ENTRIES", on)

@@ -281,6 +281,19 @@ def test_a_folded_shared_expert_gives_the_unfolded_moe(tiny_path, monkeypatch):
             assert err.median() < 1e-3 and err.max() < 5e-2, (layer, T, err.median().item(), err.max().item())
 
 
+def _stacked_and_plain(tiny_path, switch: str, monkeypatch):
+    """The tiny fp8 model loaded with ``ops.<switch>`` (a stacking of its matrices at
+    construction) off and on -> (cfg, {on: model}); the stacks replace the matrices (views), so
+    the weights' device bytes must not grow."""
+    cfg, path = _source("tiny", tiny_path)
+    models, nbytes = {}, {}
+    for stack in (False, True):
+        monkeypatch.setattr(ops, switch, stack)
+        models[stack], nbytes[stack] = _load(cfg, "fp8", path)
+    assert nbytes[True] <= nbytes[False] * 1.001 + 2**20, nbytes
+    return cfg, models
+
+
 def test_stacked_input_matrices_project_as_the_matrices_and_hold_no_second_copy(tiny_path, monkeypatch):
     """``ops.STACK_X``: each layer's input matrices stacked by storage kind at construction (fp8
     wq_a + wkv; the compressors' and the indexer's bf16), one GEMM a stack in ``x_projections``
@@ -288,12 +301,7 @@ def test_stacked_input_matrices_project_as_the_matrices_and_hold_no_second_copy(
     tile and split K by N (fp32 summation order, and the bf16 GEMMs round their outputs), so
     the columns agree to ~1e-3 a row, where a wrong slice is of order 1. The stacks replace the
     matrices (views): the weights' device bytes do not grow."""
-    cfg, path = _source("tiny", tiny_path)
-    models, nbytes = {}, {}
-    for stack in (False, True):
-        monkeypatch.setattr(ops, "STACK_X", stack)
-        models[stack], nbytes[stack] = _load(cfg, "fp8", path)
-    assert nbytes[True] <= nbytes[False] * 1.001 + 2**20, nbytes
+    cfg, models = _stacked_and_plain(tiny_path, "STACK_X", monkeypatch)
     g = torch.Generator(device=DEV).manual_seed(5)
     for layer in range(cfg.num_hidden_layers):
         plain, stacked = models[False].layers[layer], models[True].layers[layer]
@@ -312,12 +320,7 @@ def test_stacked_compressor_pairs_project_as_the_matrices_and_hold_no_second_cop
     a compressor in ``compressor_gemms`` against the two GEMMs of the unstacked model (bf16 rows
     in both: x cast once, ``compressor_input``); the columns agree to the GEMMs' rounding, the
     weights' device bytes do not grow."""
-    cfg, path = _source("tiny", tiny_path)
-    models, nbytes = {}, {}
-    for stack in (False, True):
-        monkeypatch.setattr(ops, "STACK_COMPRESSOR", stack)
-        models[stack], nbytes[stack] = _load(cfg, "fp8", path)
-    assert nbytes[True] <= nbytes[False] * 1.001 + 2**20, nbytes
+    cfg, models = _stacked_and_plain(tiny_path, "STACK_COMPRESSOR", monkeypatch)
     g = torch.Generator(device=DEV).manual_seed(5)
     pairs = 0
     for layer in range(cfg.num_hidden_layers):
