@@ -274,7 +274,7 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
     from sglang_dsv4.kernels import (c4_entries, c128_pool, entry_rows, fp8_cublas, fp8_linear, fp8_moe, hc_boundary,
                                      hc_split, kv_store, route, topk, triton_support)
 
-    return {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
+    known = {"hc_fused_pre": (hc_split, "FUSED_PRE"), "fp8_cublas": (fp8_cublas, "REQUESTED"),
             "fold_shared": (fp8_moe, "FOLD_SHARED"), "kv_fused_write": (kv_store, "FUSED_WRITE"),
             "branch_streams": (branches, "ENABLED"), "moe_fused_swiglu": (fp8_moe, "FUSED_SWIGLU"),
             "stack_x": (ops, "STACK_X"), "pdl": (triton_support, "PDL"),
@@ -283,6 +283,9 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
             "c4_entries_kernel": (c4_entries, "ENABLED"), "hc_boundary_kernel": (hc_boundary, "ENABLED"),
             "c128_entries_kernel": (c128_pool, "ENTRIES"), "swiglu_one_wave": (fp8_moe, "SWIGLU_ONE_WAVE"),
             "fp8_operands": (fp8_linear, "SHARED_OPERANDS"), "stack_compressor": (ops, "STACK_COMPRESSOR")}
+    # those the imported package has: an earlier commit's (the "before" run, .bench-prev) may
+    # predate some, and --switches then names only what it can switch
+    return {name: (mod, attr) for name, (mod, attr) in known.items() if hasattr(mod, attr)}
 
 
 SWITCHES = tuple(_switch_modules())  # their names, for --switches
