@@ -390,8 +390,9 @@ def stack_x_matrices(w: dict[str, Tensor]) -> list[str]:
 # two (a C4 layer: two GEMMs and their split-K reductions fewer, a C128 layer one and one), each
 # compressor's chain still on its own side stream (unlike ``STACK_X``, which forks after one GEMM
 # of all seven). GPU models only, at construction (``V4Model._stack_compressor_matrices``); a
-# GEMM of twice the columns may sum in another order (the bits within rounding). Opt-in until a
-# step has timed it (``bench_decode --switches stack_compressor``).
+# GEMM of twice the columns may sum in another order (the bits within rounding). Opt-in: level at
+# flash43's and flash8's batch-64 steps on an H100 (session 40, ``bench_decode --switches
+# stack_compressor``): the compressors' chains are off the step's critical path.
 STACK_COMPRESSOR = os.environ.get("SGLANG_DSV4_STACK_COMPRESSOR", "0") == "1"
 COMPRESSORS = ("attn.compressor", "attn.indexer.compressor")
 KV_GATE = ".wkv_wgate"  # + a compressor's prefix: its stacked [wkv; wgate]
