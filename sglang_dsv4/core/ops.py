@@ -498,11 +498,11 @@ def window_indices(positions: Tensor, window: int, first_pos: int) -> Tensor:
 # ---- compressor (§3) -----------------------------------------------------------------------
 
 @on_gpu(rows={"x": (0,), "positions": (0,)})
-def compressor_projections(x: Tensor, w: dict[str, Tensor], prefix: str, positions: Tensor,
-                           ratio: int, xa: Tensor | None = None, xs: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """x: [T, D] -> (a [T, coff*d], s [T, coff*d]); s includes ape[p mod r]. ``xa``, ``xs``: x
-    times the compressor's wkv / wgate computed already (``x_projections``)."""
-    a, s = compressor_gemms(x, w, prefix, xa, xs)
+def compressor_projections(x: Tensor, w: dict[str, Tensor], prefix: str, positions: Tensor
+                           ) -> tuple[Tensor, Tensor]:
+    """x: [T, D] -> (a [T, coff*d], s [T, coff*d]) in x's dtype; s includes ape[p mod r] (the
+    reference's form: the serving step adds the bias in its entry kernels, ``compressor_gemms``)."""
+    a, s = compressor_gemms(x, w, prefix)
     return a, with_position_bias(s, w[f"{prefix}.ape"], positions)
 
 

@@ -91,7 +91,7 @@ class OracleModel:
         """All complete groups of the sequence -> entries [T//ratio, d] (§3.3)."""
         T = x.shape[0]
         n = T // ratio
-        a, s = ops.compressor_projections(x[: n * ratio], w, prefix, torch.arange(n * ratio, device=x.device), ratio)
+        a, s = ops.compressor_projections(x[: n * ratio], w, prefix, torch.arange(n * ratio, device=x.device))
         if ratio == 128:
             pooled = (torch.softmax(s.view(n, ratio, s.shape[1]), dim=1) * a.view(n, ratio, a.shape[1])).sum(1)
         else:  # group -1 does not exist: pad it with zero values and -inf scores
