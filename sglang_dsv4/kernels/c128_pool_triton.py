@@ -69,9 +69,9 @@ def c128_entries_kernel(A, S, Ape, Pos, Tok, State, Slots, Carry, Norm, Cos, Sin
     """Program g: segment g from its start state (row ``Slots[g]`` of ``State`` [slots, 3, D] where
     ``Carry[g]``, else empty: ``ops.c128_start``) through its positions in order (``c128_pool_kernel``'s
     arithmetic; RATIO: the rows' position bias added on load) to its state, stored to ``Run``
-    [G, 3, D], and its pooled entry finished
-    (``ops.finish_entries``, the main compressor's) to ``Out`` [G, D]. The slot states are written
-    by the next launch: a request's later segment writes the row its first one reads."""
+    [G, 3, D], and its pooled entry finished (``ops.finish_entries``, the main compressor's) to
+    ``Out`` [G, D]. The slot states are written by the next launch: a request's later segment
+    writes the row its first one reads."""
     await_predecessor(PDL)
     g = tl.program_id(axis=0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
