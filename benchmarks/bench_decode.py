@@ -282,7 +282,8 @@ def _switch_modules() -> dict[str, tuple[object, str]]:
             "entry_rows_kernel": (entry_rows, "ENABLED"), "topk_split": (topk, "SPLIT"),
             "c4_entries_kernel": (c4_entries, "ENABLED"), "hc_boundary_kernel": (hc_boundary, "ENABLED"),
             "c128_entries_kernel": (c128_pool, "ENTRIES"), "swiglu_one_wave": (fp8_moe, "SWIGLU_ONE_WAVE"),
-            "fp8_operands": (fp8_linear, "SHARED_OPERANDS"), "stack_compressor": (ops, "STACK_COMPRESSOR")}
+            "fp8_operands": (fp8_linear, "SHARED_OPERANDS"), "stack_compressor": (ops, "STACK_COMPRESSOR"),
+            "hc_fma_mix": (hc_boundary, "FMA_MIX")}
     # those the imported package has: an earlier commit's (the "before" run, .bench-prev) may
     # predate some, and --switches then names only what it can switch
     return {name: (mod, attr) for name, (mod, attr) in known.items() if hasattr(mod, attr)}

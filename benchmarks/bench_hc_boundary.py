@@ -41,6 +41,8 @@ def main() -> None:
                     help="launch shapes of the kernel to time besides its default, comma-separated "
                          "SLICES/WARPS/PRECISION/BLOCK[/MIX_WARPS[/BLOCK_D]] (hc_boundary.MAX_SLICES / FINISH_WARPS / "
                          "PRECISION / FINISH_BLOCK / MIX_WARPS / BLOCK_D), e.g. 32/1/ieee/512,64/2/tf32x3/1024/8/32")
+    ap.add_argument("--variants-only", action="store_true",
+                    help="time the kernel's launch shapes alone (no default-path comparison)")
     args = ap.parse_args()
     cfg = preset_config("flash8")
     hc, D = cfg.hc_mult, args.dim
@@ -55,6 +57,9 @@ def main() -> None:
     fn, base, scale = mixer(hc, D, g)
     profiles: list[str] = []
     norm = torch.rand(D, generator=g, device="cuda") + 0.5
+    if args.variants_only:
+        variants(args, cfg, fn, base, scale, norm, g)
+        return
     for B in [int(b) for b in args.batches.split(",")]:
         h = torch.randn(B, hc, D, generator=g, device="cuda")
         f = torch.randn(B, D, generator=g, device="cuda")
@@ -86,11 +91,13 @@ def main() -> None:
 
 
 def variants(args, cfg, fn, base, scale, norm, g) -> None:
-    """The kernel's launch shapes side by side (replayed us per call, ``post`` kind, and each launch's
-    eager GPU time): slices of the hidden dims, the dot's precision, warps and dims a program; the
-    first column is the kernel's default shape."""
+    """The kernel's launch shapes side by side (replayed us per call, ``post`` kind, each launch's
+    eager GPU time, and each launch's registers a thread / spilled registers as Triton compiled
+    it): slices of the hidden dims, the dot's precision, warps and dims a program; the first column
+    is the kernel's default shape."""
     knobs = ("MAX_SLICES", "FINISH_WARPS", "PRECISION", "FINISH_BLOCK", "MIX_WARPS", "BLOCK_D")
-    default = tuple(getattr(hc_boundary, k) for k in knobs)
+    fma_mix = hc_boundary.FMA_MIX
+    default = tuple("fma" if k == "PRECISION" and fma_mix else getattr(hc_boundary, k) for k in knobs)
     shapes = []
     for v in args.variants.split(","):
         parts = v.split("/")
@@ -105,22 +112,57 @@ def variants(args, cfg, fn, base, scale, norm, g) -> None:
         done = ops.SublayerOutput(torch.randn(B, D, generator=g, device="cuda"),
                                   torch.rand(B, hc, generator=g, device="cuda") * 2,
                                   torch.softmax(torch.randn(B, hc, hc, generator=g, device="cuda"), -1))
-        times, diffs, splits = [], [], []
+        times, diffs, splits, regs = [], [], [], []
         hc_boundary.ENABLED = False
         want = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
         hc_boundary.ENABLED = True
         for shape in [default, *shapes]:
             for k, v in zip(knobs, shape):
                 setattr(hc_boundary, k, v)
+            hc_boundary.FMA_MIX = shape[2] == "fma"  # PRECISION "fma": the column FMAs, else tl.dot at it
+            _forget_compiled()
             got = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
             diffs.append(max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)))
             times.append(time_us(lambda: ops.hc_boundary(h, done, fn, base, scale, cfg, norm), args.reps))
             splits.append(" + ".join(f"{us:.1f}" for _, us in kernel_times(
                 lambda: ops.hc_boundary(h, done, fn, base, scale, cfg, norm))))
+            regs.append(" + ".join(_registers(k) for k in _KERNELS))
         for k, v in zip(knobs, default):
             setattr(hc_boundary, k, v)
+        hc_boundary.FMA_MIX = fma_mix
         print(f"| {B} | " + " | ".join(f"{t:.1f}" for t in times) + " | " + ", ".join(f"{e:.0e}" for e in diffs) + " |")
         print(f"| {B} eager, us a launch | " + " | ".join(splits) + " | |")
+        print(f"| {B} registers / spills | " + " | ".join(regs) + " | |")
+
+
+_KERNELS = ("post_mix_kernel", "pre_finish_kernel")
+
+
+def _compiled(name: str) -> dict:
+    """The in-memory compiled specialisations of the ``hc_boundary_triton`` kernel ``name`` here
+    (Triton's per-device cache; the disk cache keeps a recompile short)."""
+    from sglang_dsv4.kernels import hc_boundary_triton
+
+    return getattr(hc_boundary_triton, name).device_caches[torch.cuda.current_device()][0]
+
+
+def _forget_compiled() -> None:
+    """Drop the kernels' in-memory compilations, so that ``_registers`` sees one launch shape's."""
+    try:
+        for name in _KERNELS:
+            _compiled(name).clear()
+    except (AttributeError, KeyError, IndexError, TypeError):
+        pass
+
+
+def _registers(name: str) -> str:
+    """'registers/spilled' of kernel ``name`` as compiled since ``_forget_compiled`` (the most
+    over its specialisations; '?' where this Triton does not say)."""
+    try:
+        compiled = list(_compiled(name).values())
+        return f"{max(k.n_regs for k in compiled)}/{max(k.n_spills for k in compiled)}"
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        return "?"
 
 
 if __name__ == "__main__":

@@ -59,7 +59,11 @@ BLOCK_M = 16   # rows a launch-1 program takes (a dot's least M); fixed, so a ro
 # TF32x3 against the fp32 FMA dot, 21.3 against 31.1 us (launch 2 then a program a token).
 BLOCK_D = 64   # the dot's K tile within a stream
 MAX_SLICES = 64  # slices of the hidden dims launch 1 spreads over (fewer where D is narrow)
-PRECISION = "tf32x3"  # the mixes' dot (``hc_boundary_triton``'s docstring)
+PRECISION = "tf32x3"  # the mixes' tl.dot ("fma": FMA_MIX's column FMAs instead)
+# Opt-in (read per call): the mixes as fp32 FMAs a column at a time (``_mix_fma``) instead of the
+# dot, whose split TF32 operands spill (ncu, H100, session 41: 255 registers a thread, 284K
+# local-memory requests a launch at batch 64); interpreted to the torch ops' 4e-7, not yet timed
+FMA_MIX = os.environ.get("SGLANG_DSV4_HC_FMA_MIX", "0") == "1"
 MIX_WARPS = 4  # launch 1's warps
 FINISH_BLOCK = 512  # dims a launch-2 program normalises (each also runs the token's Sinkhorn)
 FINISH_WARPS = 1  # launch 2's: the [4, 4] Sinkhorn's reductions stay within a warp
@@ -137,7 +141,8 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
         out, fn, part_mix, part_gram, T, f.stride(0) if expand else 0,
         f_plus.stride(0) if f_plus is not None else 0, fn.stride(0),
         D=d, MIX=mix, MIX_PAD=max(16, pow2(mix)), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, D_BLOCKS=per,
-        POST=expand, PLUS=f_plus is not None, PRECISION=PRECISION, num_warps=MIX_WARPS, **pdl)
+        POST=expand, PLUS=f_plus is not None, PRECISION="fma" if FMA_MIX else PRECISION,
+        num_warps=MIX_WARPS, **pdl)
     pre_finish_kernel[(T, -(-d // FINISH_BLOCK))](
         part_mix, part_gram, out, scale.float().contiguous(), base.float().contiguous(), norm.contiguous(),
         y, post_n, comb_n, act.q.view(torch.uint8) if act else y, act.s if act else y,
@@ -147,4 +152,4 @@ def post_pre(h: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm: Tensor, c
     return out, y, post_n, comb_n, act
 
 
-__all__ = ["ENABLED", "MAX_ROWS", "post_pre", "quantizes", "slicing", "supported"]
+__all__ = ["ENABLED", "FMA_MIX", "MAX_ROWS", "post_pre", "quantizes", "slicing", "supported"]

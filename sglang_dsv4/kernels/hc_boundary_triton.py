@@ -12,9 +12,13 @@ matrix.
 Each row's arithmetic depends on the hidden width alone (the slices, the dot's K tiles, a fixed
 block of 16 rows, the blocks of dims), never on how many rows the batch holds: a row is the same
 bits alone or in any batch, as the chunk-invariance contract asks. The mixes' dot products take
-``PRECISION`` ("tf32x3": three TF32 tensor-core products, fp32-level error, SGLang's choice for
-the same dot; with the fp32 FMA dot, "ieee", a boundary took 31.1 us against 21.3 at batch 1 on
-an H100, session 36).
+a ``tl.dot`` at ``PRECISION`` ("tf32x3": three TF32 tensor-core products, fp32-level error,
+SGLang's choice for the same dot; "ieee": Triton's FMA dot, 31.1 us a boundary against 21.3 at
+batch 1 on an H100, session 36) or, with ``PRECISION`` "fma" (``hc_boundary.FMA_MIX``), fp32 FMAs
+a column at a time reduced over the tile's dims (``_mix_fma``). The dot's operands (each split
+for TF32x3, four streams' worth) spill: 255 registers a thread and 284K local-memory requests a
+launch at batch 64 (ncu, H100, session 41); the column FMAs hold the tiles and one column's
+products.
 """
 
 import triton
@@ -48,6 +52,23 @@ def _mix_dot(hk, Fn, k: tl.constexpr, cols, col_ok, d, d_ok, fn_stride, D: tl.co
     fn = tl.load(Fn + cols[None, :] * fn_stride + (k * D + d)[:, None],
                  mask=col_ok[None, :] & d_ok[:, None], other=0.0)
     return tl.dot(hk, fn, input_precision=PRECISION)
+
+
+@triton.jit
+def _mix_fma(h0, h1, h2, h3, Fn, cols, d, d_ok, fn_stride, D: tl.constexpr, MIX: tl.constexpr,
+             BLOCK_M: tl.constexpr, MIX_PAD: tl.constexpr):
+    """The tile's share of the mixes in fp32 FMAs, a column at a time (``PRECISION`` "fma"): per
+    row, the four streams' products summed per dim (in stream order), then over the tile's dims;
+    no dot operands to hold, so few registers."""
+    out = tl.zeros([BLOCK_M, MIX_PAD], dtype=tl.float32)
+    for c in tl.static_range(MIX):
+        row = Fn + c * fn_stride + d
+        p = h0 * tl.load(row, mask=d_ok, other=0.0)[None, :]
+        p = p + h1 * tl.load(row + D, mask=d_ok, other=0.0)[None, :]
+        p = p + h2 * tl.load(row + 2 * D, mask=d_ok, other=0.0)[None, :]
+        p = p + h3 * tl.load(row + 3 * D, mask=d_ok, other=0.0)[None, :]
+        out += tl.where(cols[None, :] == c, tl.sum(p, axis=1)[:, None], 0.0)
+    return out
 
 
 @triton.jit
@@ -101,10 +122,13 @@ def post_mix_kernel(F, FPlus, H, Post, Comb, HNew, Fn, PartMix, PartGram,
             e2 = _expanded(2, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D)
             e3 = _expanded(3, f, h0, h1, h2, h3, Post, Comb, HNew, rows, row_ok, d, ok, D)
             h0, h1, h2, h3 = e0, e1, e2, e3
-        acc += _mix_dot(h0, Fn, 0, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
-        acc += _mix_dot(h1, Fn, 1, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
-        acc += _mix_dot(h2, Fn, 2, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
-        acc += _mix_dot(h3, Fn, 3, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+        if PRECISION == "fma":
+            acc += _mix_fma(h0, h1, h2, h3, Fn, cols, d, d_ok, fn_stride, D, MIX, BLOCK_M, MIX_PAD)
+        else:
+            acc += _mix_dot(h0, Fn, 0, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+            acc += _mix_dot(h1, Fn, 1, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+            acc += _mix_dot(h2, Fn, 2, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
+            acc += _mix_dot(h3, Fn, 3, cols, col_ok, d, d_ok, fn_stride, D, PRECISION)
         g00 += tl.sum(h0 * h0, axis=1)
         g01 += tl.sum(h0 * h1, axis=1)
         g02 += tl.sum(h0 * h2, axis=1)

@@ -7,6 +7,7 @@ kernel on against off. With the switch off ``ops.hc_boundary`` runs the torch op
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang_dsv4.core import ops
@@ -51,8 +52,11 @@ print("WORST", worst)
 """
 
 
-def test_the_kernel_gives_the_torch_ops_boundary(triton_interpreted):
-    assert triton_interpreted(_CASES) < 2e-6  # fp32: other summation orders
+@pytest.mark.parametrize("fma_mix", [False, True])
+def test_the_kernel_gives_the_torch_ops_boundary(triton_interpreted, fma_mix):
+    """The mixes as launch 1's tl.dot (the default) and as its column FMAs (``FMA_MIX``)."""
+    cases = _CASES.replace("kernel.ENABLED = True\n", f"kernel.ENABLED = True\nkernel.FMA_MIX = {fma_mix}\n", 1)
+    assert triton_interpreted(cases) < 2e-6  # fp32: other summation orders
 
 
 _MODEL = """

@@ -33,9 +33,12 @@ def _case(T: int, seed: int, D: int = 4096):
     return cfg, h, (f, post, comb, f_plus), (fn, base, scale, norm)
 
 
+@pytest.mark.parametrize("fma_mix", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 256])
 @pytest.mark.parametrize("kind", ["attention", "moe", "first"])
-def test_the_kernel_gives_the_torch_ops_boundary(T, kind, monkeypatch):
+def test_the_kernel_gives_the_torch_ops_boundary(T, kind, fma_mix, monkeypatch):
+    """The mixes as launch 1's tl.dot (the default) and as its column FMAs (``FMA_MIX``)."""
+    monkeypatch.setattr(kernel, "FMA_MIX", fma_mix)
     cfg, h, (f, post, comb, f_plus), (fn, base, scale, norm) = _case(T, T)
     done = None if kind == "first" else ops.SublayerOutput(f, post, comb, f_plus if kind == "moe" else None)
     monkeypatch.setattr(kernel, "MAX_ROWS", 1 << 30)  # the kernel itself, past the rows it takes in a model
@@ -52,8 +55,10 @@ def test_the_kernel_gives_the_torch_ops_boundary(T, kind, monkeypatch):
     assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, got))
 
 
-def test_the_kernel_replays_from_a_graph(monkeypatch):
+@pytest.mark.parametrize("fma_mix", [False, True])
+def test_the_kernel_replays_from_a_graph(fma_mix, monkeypatch):
     monkeypatch.setattr(kernel, "ENABLED", True)
+    monkeypatch.setattr(kernel, "FMA_MIX", fma_mix)
     cfg, h, (f, post, comb, f_plus), (fn, base, scale, norm) = _case(64, 0)
     done = ops.SublayerOutput(f, post, comb, f_plus)
     eager = ops.hc_boundary(h, done, fn, base, scale, cfg, norm)
