@@ -99,7 +99,7 @@ def variants(args, cfg, fn, base, scale, norm, g) -> None:
     fma_mix = hc_boundary.FMA_MIX
     default = tuple("fma" if k == "PRECISION" and fma_mix else getattr(hc_boundary, k) for k in knobs)
     shapes = []
-    for v in args.variants.split(","):
+    for v in filter(None, args.variants.split(",")):
         parts = v.split("/")
         given = [int(parts[0]), int(parts[1]), parts[2], *(int(x) for x in parts[3:])]
         shapes.append(tuple(given + list(default[len(given):])))
