@@ -144,9 +144,10 @@ def c4_entries_kernel(A, S, Ape, Pos, StateA, StateS, Slots, Idx, Norm, Cos, Sin
     i is row i % ROWS of slot ``Slots[i // ROWS]``); the chunk's rows of A, S (T); a padding row
     (a 0, s -inf)]; the first WINDOW / 2 rows give their A half (dims 0..D-1), the others their
     B half (D..2D-1); the chunk's rows as ``load_rows`` reads them (RATIO: their bias). Per dim a
-    softmax of s over the WINDOW rows weights a (``pool_c4_windows``); then ``finish_entries``: RMS norm by ``Norm``, RoPE of the last ROPE dims (interleaved pairs)
-    at row t of ``Cos`` / ``Sin`` (float64, used in fp32), then FP8 QAT of the first NOPE dims in
-    blocks of 64 (main, QUANT) or the Hadamard rotation and FP4 QAT in blocks of 32 (indexer)."""
+    softmax of s over the WINDOW rows weights a (``pool_c4_windows``); then ``finish_entries``:
+    RMS norm by ``Norm``, RoPE of the last ROPE dims (interleaved pairs) at row t of ``Cos`` /
+    ``Sin`` (float64, used in fp32), then FP8 QAT of the first NOPE dims in blocks of 64 (main,
+    QUANT) or the Hadamard rotation and FP4 QAT in blocks of 32 (indexer)."""
     await_predecessor(PDL)
     t = tl.program_id(axis=0).to(tl.int64)
     r = tl.arange(0, WINDOW)

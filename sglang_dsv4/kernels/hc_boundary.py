@@ -34,8 +34,9 @@ decode steps and every piece of the deterministic mode (64 rows each) only: a pr
 the torch ops at any length, so that chunkings of a prompt give the same bits
 (``V4Model.boundary_kernel``; session 39's GPU run of ``tests/srt/test_state_gpu.py`` found a
 40-row chunk through the kernel 1.5 off in a tiny model's logits from an 81-row one through the
-ops). Its GPU tests passed with these shapes on an H100 in session 38, where the step (1K, fp8, graphs) went from 17.62 to 17.28 ms
-with it at flash43's batch 64 and from 5.84 to 5.78 ms at flash8's.
+ops). Its GPU tests passed with these shapes on an H100 in session 38, where the step (1K, fp8,
+graphs) went from 17.62 to 17.28 ms with it at flash43's batch 64 and from 5.84 to 5.78 ms at
+flash8's.
 """
 
 from __future__ import annotations
