@@ -16,7 +16,8 @@ instead, the routed experts' GEMM 1 and the SwiGLU region after it against GEMM 
 SwiGLU as its epilogue (``fp8_moe.swiglu_gemm``, on by default, ``SGLANG_DSV4_MOE_FUSED_SWIGLU=0`` off). ``--blocks``:
 instead, the experts' whole pass with the rows per expert block by pair count (the default)
 against by pairs per expert (``fp8_moe.EXPERT_BLOCKS``). ``--wo-a``: instead, V4's grouped wo_a
-in bf16 (the model's einsum) against fp8 (``fp8_grouped_linear``) and the latter's tiles. Weights are
+in bf16 (the model's einsum) against its fp8 weights through the weight-only kernel
+(``fp8_weight_only``) and the latter's launches. Weights are
 rotated through copies larger than the L2, as the layers of a step are. A harness: what a
 configuration costs decides ``_config``; nothing here is imported by the package.
 """
@@ -33,6 +34,7 @@ from benchmarks.bench_decode import copy_bandwidth
 from sglang_dsv4.kernels import fp8_cublas
 from sglang_dsv4.kernels import fp8_linear as fp8_mod
 from sglang_dsv4.kernels import fp8_moe
+from sglang_dsv4.kernels import fp8_weight_only as weight_only
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm, quantize_act
 from sglang_dsv4.quant import FP8_WEIGHT_BLOCK
 
@@ -207,52 +209,51 @@ WO_A = (8, 1024, 4096)  # V4-Flash's wo_a: o_groups x o_lora_rank x (heads x hea
 
 def wo_a_table(tokens: list[int], reps: int, bw: float, g: torch.Generator, stages: list[int]) -> None:
     """V4-Flash's grouped wo_a (``ops.attention_output``): bf16 weights through the model's einsum
-    against fp8 weights through ``fp8_grouped_linear`` (``SGLANG_DSV4_WO_A_FP8=1``), side by side,
-    then the fp8 GEMM's tile configurations (BLOCK_N, warps, stages; its BLOCK_M is the caller's),
-    each against its own bytes: the weight read once, over the copy bandwidth. The fp8 path's parts
-    apart: its operands (the rows grouped, padded and quantised: ``grouped_operands``), the GEMM
-    alone and its split-K sum (in the model the first and last fuse into the compiled neighbours)."""
+    against fp8 weights through the weight-only kernel (``fp8_weight_only``, ``SGLANG_DSV4_WO_A_FP8=1``),
+    side by side, then the kernel's launches (BLOCK_M, BLOCK_N, K splits, the product swapped or
+    not, stages), each against its own bytes (the weight read once, over the copy bandwidth), with the
+    largest difference from the einsum's bf16 result. The shipped launch includes its split-K sum
+    (in the model a compiled neighbour adds the partials)."""
     G, R, K = WO_A
     copies = max(2, math.ceil(2 * L2_BYTES / (G * R * K)))
-    w16 = [torch.randn(G, R, K, generator=g, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
     w8 = [random_fp8((G * R, K), g) for _ in range(copies)]
-    tiles = [dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) for bn in (64, 128) for nw in (4, 8) for ns in stages]
-    views = [Fp8Weight(w.q.view(G, R, K), w.scale.view(G, R // FP8_WEIGHT_BLOCK, -1)) for w in w8]
+    w16 = [w.dequantize(torch.bfloat16).view(G, R, K) for w in w8]  # the same matrices, as the loader widens them
     rows = []
     for t in tokens:
         x = torch.randn(t, G, K, generator=g, device="cuda", dtype=torch.bfloat16)
+        ref = torch.einsum("tgd,grd->tgr", x, w16[0]).float()
         i16, i8 = itertools.cycle(w16), itertools.cycle(w8)
         b16 = time_us(lambda: torch.einsum("tgd,grd->tgr", x, next(i16)), reps)
-        b8 = time_us(lambda: fp8_mod.fp8_grouped_linear(x, next(i8)), reps)
-        best = (b8, "shipped")
-        for cfg in tiles:
-            with Override(cfg):
+        b8 = time_us(lambda: weight_only.grouped_weight_only(x, next(i8)), reps)
+        shipped = weight_only.plan(t, G, R, K, x.device)
+        differ = (weight_only.grouped_weight_only(x, w8[0]).float() - ref).abs().max().item()
+        best = (b8, f"shipped (n={shipped[0]['BLOCK_N']} S={shipped[3]} swap={shipped[0]['SWAP_AB']})")
+        ship = weight_only.launch_config(t)
+        for swap, bn, n_split, bm in itertools.product((True, False), (64, 128), (1, 2, 4),
+                                                       sorted({ship["BLOCK_M"], min(ship["BLOCK_M"], 32)})):
+            for ns in stages:
+                cfg = dict(ship, BLOCK_M=bm, BLOCK_N=bn, SWAP_AB=swap, num_stages=ns)
+                name = f"m={bm} n={bn} S={n_split} swap={int(swap)} s={ns}"
                 try:
-                    us = time_us(lambda: fp8_mod.fp8_grouped_linear(x, next(i8)), reps)
+                    us = time_us(lambda: weight_only.grouped_weight_only(x, next(i8), config=cfg, splits=n_split),
+                                 reps)
                 except Exception as e:  # out of shared memory / registers: not a candidate
-                    print(f"  wo_a T={t} {cfg}: {type(e).__name__}")
+                    print(f"  wo_a T={t} {name}: {type(e).__name__}")
                     continue
-            if us < best[0]:
-                best = (us, f"n={cfg['BLOCK_N']} w={cfg['num_warps']} s={cfg['num_stages']}")
-        q, sc, _, _, group, A = fp8_mod.grouped_operands(x, w8[0])
-        iv = itertools.cycle(views)
-        ops_us = time_us(lambda: fp8_mod.grouped_operands(x, next(i8)), reps)
-        gemm = lambda: fp8_gemm(q, sc, next(iv), x.dtype, block_expert=group, block_m=A, sum_splits=False)
-        gemm_us, part = time_us(gemm, reps), gemm()
-        sum_us = time_us(lambda: fp8_mod.add_splits(part, x.dtype), reps) if part.dim() == 3 else 0.0
-        splits = part.shape[0] if part.dim() == 3 else 1
+                print(f"  wo_a T={t} {name}: {us:.1f} us")
+                if us < best[0]:
+                    best = (us, name)
         r16, r8 = G * R * K * 2 / bw * 1e6, G * R * K / bw * 1e6
-        rows.append((t, b16, b16 / r16, b8, b8 / r8, b16 / b8, ops_us, gemm_us, gemm_us / r8, splits, sum_us, *best))
-        print(f"  wo_a T={t}: bf16 {b16:.1f} us, fp8 {b8:.1f} us (operands {ops_us:.1f}, GEMM {gemm_us:.1f} "
-              f"in {splits} splits, sum {sum_us:.1f}), best tile {best[0]:.1f} ({best[1]})", flush=True)
-    print("\n| tokens | bf16 einsum us | bf16 / roofline | fp8 grouped us | fp8 / roofline | fp8 speed-up "
-          "| fp8 operands us | fp8 GEMM us | GEMM / roofline | K splits | split sum us | best fp8 us | best config "
-          "| best / roofline |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        rows.append((t, b16, b16 / r16, b8, b8 / r8, b16 / b8, differ, *best))
+        print(f"  wo_a T={t}: bf16 {b16:.1f} us, fp8 weight-only {b8:.1f} us, best {best[0]:.1f} ({best[1]})",
+              flush=True)
+    print("\n| tokens | bf16 einsum us | bf16 / roofline | fp8 weight-only us | fp8 / fp8 roofline | speed-up "
+          "| max diff from the einsum | best fp8 us | best launch | best / fp8 roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     r8 = G * R * K / bw * 1e6
-    for t, b16, q16, b8, q8, up, ops_us, gemm_us, qg, splits, sum_us, best_us, best_cfg in rows:
-        print(f"| {t} | {b16:.1f} | {q16:.2f} | {b8:.1f} | {q8:.2f} | {up:.2f}x | {ops_us:.1f} | {gemm_us:.1f} | "
-              f"{qg:.2f} | {splits} | {sum_us:.1f} | {best_us:.1f} | {best_cfg} | {best_us / r8:.2f} |")
+    for t, b16, q16, b8, q8, up, differ, best_us, best_cfg in rows:
+        print(f"| {t} | {b16:.1f} | {q16:.2f} | {b8:.1f} | {q8:.2f} | {up:.2f}x | {differ:.1e} | {best_us:.1f} | "
+              f"{best_cfg} | {best_us / r8:.2f} |")
 
 
 def blocks_table(tokens: list[int], experts: list[int], reps: int, bw: float, g: torch.Generator) -> None:
@@ -307,7 +308,7 @@ def main() -> None:
     ap.add_argument("--swiglu", action="store_true",
                     help="the experts' GEMM 1 + SwiGLU region against GEMM 1 with the SwiGLU epilogue, only")
     ap.add_argument("--wo-a", action="store_true",
-                    help="the grouped wo_a, bf16 einsum against the fp8 grouped GEMM and its tiles, only")
+                    help="the grouped wo_a, bf16 einsum against the fp8 weight-only kernel and its launches, only")
     ap.add_argument("--swiglu-everywhere", action="store_true",
                     help="with --swiglu: also the cases where the epilogue does not fit (K split)")
     ap.add_argument("--swiglu-configs", default="",

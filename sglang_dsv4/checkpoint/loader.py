@@ -124,8 +124,8 @@ def keeps_fp8(spec: TensorSpec, cfg: V4Config) -> bool:
     """Whether the fp8 weight mode holds ``spec`` quantised: fp8 matrices and the routed experts
     (fp4 converted to fp8, or fp8 as stored). ``attn.wo_a`` (a grouped einsum) is dequantised to
     bf16, as convert.py and upstream without DeepGEMM do, unless ``fp8_linear.GROUPED_WO_A`` runs
-    it as one grouped fp8 GEMM (as upstream with DeepGEMM does) and its groups keep their
-    128x128 scale blocks whole (``fp8_linear.groups_fit``)."""
+    it through the weight-only kernel (``kernels.fp8_weight_only``: the same bf16 products) and
+    its groups keep their 128x128 scale blocks whole (``fp8_linear.groups_fit``)."""
     if spec.storage not in (Storage.FP8, Storage.FP4):
         return False
     if spec.name.endswith("attn.wo_a.weight"):

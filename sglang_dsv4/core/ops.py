@@ -23,7 +23,8 @@ from ..kernels import c4_entries as c4_entries_kernel
 from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
-from ..kernels.fp8_linear import Fp8Act, Fp8Weight, fp8_grouped_linear, fp8_linear, quantize_act
+from ..kernels.fp8_linear import Fp8Act, Fp8Weight, fp8_linear, quantize_act
+from ..kernels.fp8_weight_only import grouped_weight_only_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from ..quant import FP8_WEIGHT_BLOCK, fp4_qat, fp8_qat, hadamard
 from .compiled import on_gpu
@@ -453,8 +454,8 @@ def attention_output(o: Tensor, w: dict[str, Tensor], rope: Rope, cfg: V4Config,
     G = wo_a.shape[0] // cfg.o_lora_rank
     T = o.shape[0]
     o = pad_rows(o.reshape(T, G, -1))  # a per-group GEMM over the rows: padded like ``linear``
-    if isinstance(wo_a, Fp8Weight):  # held fp8 (``fp8_linear.GROUPED_WO_A``): one grouped fp8 GEMM
-        z = fp8_grouped_linear(o, wo_a)[:T]
+    if isinstance(wo_a, Fp8Weight):  # held fp8 (``fp8_linear.GROUPED_WO_A``): the einsum's bf16 product
+        z = grouped_weight_only_linear(o, wo_a)[:T]
     else:
         wo_a = wo_a.view(G, cfg.o_lora_rank, -1)
         z = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(o.dtype)[:T]

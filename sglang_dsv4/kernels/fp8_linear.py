@@ -14,9 +14,8 @@
   not need and the GPU image running the core does not have.
 - ``fp8_linear``: ``x @ dequant(w).T`` with x quantised as above; on a CPU the torch reference
   (``fp8_linear_reference``), which is what the kernel computes up to fp32 summation order.
-- ``fp8_grouped_linear``: the attention output's grouped low-rank projection (``attn.wo_a``, G
-  row groups, each applied to its own slice of the heads) as one grouped launch of the same GEMM,
-  each group an "expert" of T rows (opt-in ``SGLANG_DSV4_WO_A_FP8=1``, ``GROUPED_WO_A``).
+(``attn.wo_a``, held fp8 with ``GROUPED_WO_A``, has a weight-only kernel of its own:
+``fp8_weight_only``.)
 
 Everything is CUDA-graph capturable: launch grids and configs depend only on shapes.
 """
@@ -38,10 +37,10 @@ from . import fp8_cublas
 from .triton_support import INTERPRET, pdl_options  # INTERPRET: a module attribute here, tests switch it off
 
 Tensor = torch.Tensor
-# attn.wo_a held fp8 in the fp8 weight mode and run by ``fp8_grouped_linear`` (read by the loader:
-# ``checkpoint.loader.keeps_fp8``). Its bf16 einsum reads twice the checkpoint's bytes: 31 us a
-# layer at batch 64 on an H100 (session 33's flash43 census), against 11 us for its fp8 bytes.
-# Opt-in until a step has timed it (its GPU tests passed on an H200, session 35).
+# attn.wo_a held fp8 in the fp8 weight mode and run by ``fp8_weight_only.grouped_weight_only_linear``
+# (read by the loader: ``checkpoint.loader.keeps_fp8``). Its bf16 einsum reads twice the
+# checkpoint's bytes: 30.5 us a layer at batch 64 on an H100 (session 41's flash43 census), against
+# 11.2 us for its fp8 bytes. Opt-in until a step has timed it.
 GROUPED_WO_A = os.environ.get("SGLANG_DSV4_WO_A_FP8", "0") == "1"
 # An activation read by several fp8 GEMMs quantised once, by the kernel or region that makes it
 # (``Fp8Act``): the sublayer inputs by the boundary kernel (``hc_boundary.post_pre``), qr by
@@ -383,65 +382,13 @@ def groups_fit(rows: int, cols: int, groups: int) -> bool:
     return rows % groups == 0 and (rows // groups) % B == 0 and cols % B == 0
 
 
-GROUP_ROWS_FOR_64 = 32  # rows a group gets on average from which its blocks take 64 rows
-
-
-def block_rows_by_group(rows: int, groups: int) -> int:
-    """Rows per block of a grouped GEMM of ``rows`` rows over ``groups`` groups (experts): 64 from
-    ``GROUP_ROWS_FOR_64`` rows a group on average (each group's weights read by fewer blocks),
-    else 16 (less padding). ``fp8_grouped_linear``'s rule, and ``fp8_moe.block_rows``' with
-    ``EXPERT_BLOCKS``."""
-    return 64 if rows >= GROUP_ROWS_FOR_64 * groups else 16
-
-
-def fp8_grouped_linear(x: Tensor, w: Fp8Weight) -> Tensor:
-    """x [T, G, K] -> [T, G, R] in x's dtype: group g's rows x[:, g] @ dequant(w[g R:(g+1) R]).T
-    for w [G R, K] (``groups_fit``), x quantised as ``fp8_linear`` does.
-
-    On the GPU one grouped launch of ``fp8_gemm`` (plus its split-K sum, which a compiled caller's
-    next kernel does): the groups' rows padded to whole blocks, each block one group's. Elsewhere
-    the reference, qdq(x) times the dequantised groups in float32 (the caller pads the rows to
-    fixed tiles where a row's result must not depend on the rows beside it, ``ops.pad_rows``)."""
-    T, G, K = x.shape
-    R = w.q.shape[0] // G
-    if not groups_fit(w.q.shape[0], K, G) or w.q.shape[1] != K:
-        raise ValueError(f"fp8_grouped_linear: a {list(w.q.shape)} fp8 matrix does not split into {G} groups "
-                         f"of 128-row blocks over {K} inputs")
-    if not runs_kernel(x.device):
-        a = qdq_act(x.reshape(T * G, K)).view(T, G, K)
-        return torch.einsum("tgk,grk->tgr", a, w.dequantize().view(G, R, K)).to(x.dtype)
-    q, s, wq, ws, block_group, A = grouped_operands(x, w)
-    Tp = q.shape[0] // G
-    if torch.compiler.is_compiling() and isinstance(T, int):
-        out = fp8_gemm_op(q, s, wq, ws, x.dtype, block_expert=block_group, block_m=A, sum_splits=False)
-    else:
-        out = fp8_gemm(q, s, Fp8Weight(wq, ws), x.dtype, block_expert=block_group, block_m=A, sum_splits=False)
-    if out.dim() == 3:
-        out = add_splits(out, x.dtype)
-    return out.view(G, Tp, R)[:, :T].transpose(0, 1)
-
-
-def grouped_operands(x: Tensor, w: Fp8Weight) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """``fp8_grouped_linear``'s GEMM operands on the GPU: x [T, G, K] group-major with each group's
-    rows padded to whole blocks and quantised (q, s), w as [G, R, K] (wq, ws), each block's group
-    (block_group) and the rows a block holds (A)."""
-    T, G, K = x.shape
-    R = w.q.shape[0] // G
-    A = block_rows_by_group(T * G, G) if isinstance(T, int) else 64  # every group holds every row
-    Tp = -(-T // A) * A
-    xg = F.pad(x.transpose(0, 1), (0, 0, 0, Tp - T)).reshape(G * Tp, K)  # group-major, each group Tp rows
-    q, s = quantize_act(xg)
-    block_group = torch.arange(G * Tp // A, device=x.device, dtype=torch.int32) // (Tp // A)
-    return q, s, w.q.view(G, R, K), w.scale.view(G, R // FP8_WEIGHT_BLOCK, -1), block_group, A
-
-
 def fp8_linear_reference(x: Tensor, w: Fp8Weight) -> Tensor:
     """The reference of ``fp8_linear``: qdq(x) @ dequant(w).T in float32."""
     return (qdq_act(x) @ w.dequantize().t()).to(x.dtype)
 
 
-__all__ = ["SHARED_OPERANDS", "Fp8Act", "Fp8Weight", "weight_nbytes", "grouped_operands", "quantize_act",
+__all__ = ["SHARED_OPERANDS", "Fp8Act", "Fp8Weight", "weight_nbytes", "quantize_act",
            "dequantize_act", "qdq_act", "fp8_gemm", "fp8_gemm_op",
            "prepare",
-           "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "fp8_grouped_linear", "groups_fit",
+           "fp8_gemm_reference", "fp8_linear", "fp8_linear_reference", "groups_fit",
            "GROUPED_WO_A", "ACT_GROUP", "triton_missing"]

@@ -67,7 +67,7 @@ from ..core.compiled import on_gpu
 from ..quant import FP8_WEIGHT_BLOCK
 from . import moe_layout
 from .expert_rows import expert_rows
-from .fp8_linear import (Fp8Act, Fp8Weight, add_splits, block_rows_by_group, fp8_gemm, quantize_act, runs_kernel,
+from .fp8_linear import (Fp8Act, Fp8Weight, add_splits, fp8_gemm, quantize_act, runs_kernel,
                          sm_count, split_k)
 from .triton_support import pdl_options
 
@@ -147,12 +147,16 @@ def stack_fp8_experts(w1: list[Fp8Weight], w3: list[Fp8Weight], w2: list[Fp8Weig
     return stack, views
 
 
+PAIRS_AN_EXPERT_FOR_64 = 32  # pairs an expert gets on average from which its blocks take 64 rows
+
+
 def block_rows(pairs: int, experts: int | None = None) -> int:
     """Rows per expert block: 16 for decode-sized batches, 64 for prefill-sized ones (1024 pairs
     on). With ``EXPERT_BLOCKS`` and the local expert count, by the rows an expert gets on average
-    instead: 64 from 32 pairs an expert, else 16 (module docstring)."""
+    instead: 64 from ``PAIRS_AN_EXPERT_FOR_64`` pairs an expert (each expert's weights read by
+    fewer blocks), else 16 (less padding; module docstring)."""
     if EXPERT_BLOCKS and experts:
-        return block_rows_by_group(pairs, experts)
+        return 64 if pairs >= PAIRS_AN_EXPERT_FOR_64 * experts else 16
     return 16 if pairs < 1024 else 64
 
 

@@ -61,10 +61,13 @@ BLOCK_M = 16   # rows a launch-1 program takes (a dot's least M); fixed, so a ro
 BLOCK_D = 64   # the dot's K tile within a stream
 MAX_SLICES = 64  # slices of the hidden dims launch 1 spreads over (fewer where D is narrow)
 PRECISION = "tf32x3"  # the mixes' tl.dot ("fma": FMA_MIX's column FMAs instead)
-# Opt-in (read per call): the mixes as fp32 FMAs a column at a time (``_mix_fma``) instead of the
-# dot, whose split TF32 operands spill (ncu, H100, session 41: 255 registers a thread, 284K
-# local-memory requests a launch at batch 64); interpreted to the torch ops' 4e-7, not yet timed
-FMA_MIX = os.environ.get("SGLANG_DSV4_HC_FMA_MIX", "0") == "1"
+# On by default since session 42 (read per call; ``SGLANG_DSV4_HC_FMA_MIX=0``: the dot): the mixes
+# as fp32 FMAs a column at a time (``_mix_fma``) instead of the TF32x3 dot, whose split operands
+# spill (ncu, H100, session 41: 255 registers a thread, 284K local-memory requests a launch at
+# batch 64). H100, session 42: 128 registers, no spills; launch 1 7.6 -> 5.0 us at batch 1,
+# 11.2 -> 7.2 at 64; the boundary (graph-replayed) 12.5 -> 10.1 and 17.5 -> 13.4 us; its GPU
+# tests (against the torch ops, graph replay) passed
+FMA_MIX = os.environ.get("SGLANG_DSV4_HC_FMA_MIX", "1") == "1"
 MIX_WARPS = 4  # launch 1's warps
 FINISH_BLOCK = 512  # dims a launch-2 program normalises (each also runs the token's Sinkhorn)
 FINISH_WARPS = 1  # launch 2's: the [4, 4] Sinkhorn's reductions stay within a warp

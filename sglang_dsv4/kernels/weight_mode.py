@@ -5,7 +5,8 @@
 - ``fp8``: matrices stored fp8 e4m3 + 128x128 e8m0 scales stay so (``kernels.fp8_linear``), with
   ``attn.wo_a`` the exception (dequantised to bf16, as DeepSeek's ``convert.py`` and upstream
   SGLang without DeepGEMM do: it runs as a grouped einsum, not a linear; ``SGLANG_DSV4_WO_A_FP8=1``
-  keeps it fp8 for one grouped fp8 GEMM, ``fp8_linear.fp8_grouped_linear``); routed fp4 experts are
+  keeps it fp8 for a weight-only kernel with the einsum's bf16 products,
+  ``fp8_weight_only.grouped_weight_only_linear``); routed fp4 experts are
   converted at load to fp8 block-128, exactly (``quant.fp4_to_fp8_blockwise``), and run through
   the grouped fp8 GEMMs (``kernels.fp8_moe``). Activations are quantised before each fp8 GEMM as
   V4's QAT does (e4m3, groups of 128, power-of-two scales).

@@ -42,6 +42,7 @@ from sglang_dsv4.core import branches, compiled, ops
 from sglang_dsv4.core.model import V4Model, weight_dtypes
 from sglang_dsv4.kernels import fp8_linear as fp8_linear_mod
 from sglang_dsv4.kernels import fp8_moe, kv_store, triton_support
+from sglang_dsv4.kernels import fp8_weight_only as weight_only
 from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_gemm_reference, fp8_linear, fp8_linear_reference
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
 from sglang_dsv4.kernels import weight_mode
@@ -142,34 +143,42 @@ def test_a_traced_fp8_linear_adds_the_split_k_partials_to_the_same_bits(m):
 
 
 @pytest.mark.parametrize("T", [1, 5, 64, 333])
-def test_grouped_wo_a_matches_the_reference(T):
-    """``fp8_grouped_linear`` at V4-Flash's wo_a (8 groups of 1024 rows over 4096 inputs) against
-    each group's ``fp8_linear_reference``; traced (the fused regions' op), the eager bits."""
+def test_the_weight_only_wo_a_gives_the_bf16_einsum(T):
+    """``fp8_weight_only`` at V4-Flash's wo_a (8 groups of 1024 rows over 4096 inputs, the heads
+    a strided view): each output the exact product rounded once to bf16, as the model's einsum
+    over the dequantised bf16 matrix is (the same products, another fp32 order); traced
+    (the fused regions' op, the partials added by Inductor), the eager bits."""
     g = torch.Generator(device=DEV).manual_seed(T)
     G, R, K = 8, 1024, 4096
     w = _fp8(G * R, K, g)
-    x = torch.randn(T, G, K, generator=g, device=DEV) * torch.logspace(-2, 1, K, device=DEV)
-    got = fp8_linear_mod.fp8_grouped_linear(x, w)
+    heads = torch.randn(T, 64, 512, generator=g, device=DEV) * torch.logspace(-2, 1, 512, device=DEV)
+    x = heads.to(torch.bfloat16).view(T, G, K)
+    got = weight_only.grouped_weight_only_linear(x, w)
     assert got.shape == (T, G, R) and got.dtype == x.dtype
-    worst = max(_rel(got[:, i], fp8_linear_reference(
-        x[:, i], Fp8Weight(w.q[i * R:(i + 1) * R], w.scale[i * 8:(i + 1) * 8]))).max().item() for i in range(G))
-    report("fp8_grouped_wo_a_vs_reference", tokens=T, max_rel_err=worst)
-    assert worst < 1e-3, worst  # the bound of test_fp8_linear_matches_the_torch_reference
-    traced = torch.compile(lambda a: fp8_linear_mod.fp8_grouped_linear(a, w) * 2.0, fullgraph=True)(x)
+    einsum = weight_only.grouped_weight_only_reference(x, w)
+    exact = torch.einsum("tgk,grk->tgr", x.double(), w.dequantize(torch.float64).view(G, R, K))
+    ulp = exact.abs().clamp_min(exact.abs().amax(-1, keepdim=True) * 1e-3) * 2.0 ** -7  # bf16's spacing <= this
+    report("weight_only_wo_a_vs_einsum", tokens=T, differ=(got != einsum).float().mean().item(),
+           max_ulps=((got.double() - exact).abs() / ulp).max().item(),
+           einsum_max_ulps=((einsum.double() - exact).abs() / ulp).max().item())
+    assert ((got.double() - exact).abs() <= 0.51 * ulp).all()  # rounded once (and the fp32 sums' error)
+    assert ((got.double() - einsum.double()).abs() <= 1.01 * ulp).all()
+    traced = torch.compile(lambda a: weight_only.grouped_weight_only_linear(a, w) * 2.0, fullgraph=True)(x)
     assert torch.equal(traced, got * 2.0)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_fp8_wo_a_logits_stay_near_the_bf16_wo_a(tiny_path, serving_rows, graphs, monkeypatch):
-    """``SGLANG_DSV4_WO_A_FP8``: tiny's wo_a held fp8 and run as one grouped GEMM, eager and from
-    graphs, against it dequantised (the quantised heads are the only difference): logits within
-    the fp8 mode's own bounds against bf16, with no host sync in a replayed step."""
+    """``SGLANG_DSV4_WO_A_FP8``: tiny's wo_a held fp8 and run by the weight-only kernel, eager
+    and from graphs, against it dequantised to bf16 (the einsum): the same products summed in
+    another order, so logits far inside the fp8 mode's bounds against bf16 (a random model
+    amplifies rounding, so not the same bits), with no host sync in a replayed step."""
     out = _fp8_logits_off_and_on(tiny_path, serving_rows, monkeypatch, fp8_linear_mod, "GROUPED_WO_A", 8, graphs)
     for part in (0, 1):
         a, b = out[True][part].flatten(0, -2), out[False][part].flatten(0, -2)
         err, agree = _rel(a, b), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
         report("logits_fp8_wo_a", graphs=graphs, part=part, median_rel_err=err.median().item(), argmax_agree=agree)
-        assert err.median() < MEDIAN_REL_ERR_MAX and agree > ARGMAX_AGREE_MIN, (part, err.median().item(), agree)
+        assert err.median() < MEDIAN_REL_ERR_MAX / 3 and agree > 0.8, (part, err.median().item(), agree)
 
 
 @pytest.mark.skipif(not compiled.ENABLED, reason="the fused regions are off (SGLANG_DSV4_COMPILE=0)")

@@ -19,9 +19,10 @@ from sglang_dsv4.core.cache import V4Cache
 from sglang_dsv4.core.model import V4Model
 from sglang_dsv4.core.parallel import shard_weights
 from sglang_dsv4.kernels import fp8_linear, fp8_moe, weight_mode
-from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_grouped_linear, fp8_linear_reference,
+from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_linear_reference,
                                             qdq_act, quantize_act)
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
+from sglang_dsv4.kernels.fp8_weight_only import grouped_weight_only_linear
 from sglang_dsv4.kernels.weight_mode import WeightModeError, select_weight_mode
 from sglang_dsv4.launch_server import build_command, dsv4_arguments
 from sglang_dsv4.quant import (dequantize_fp4_packed, dequantize_fp8_blockwise, fp4_to_fp8_blockwise, fp8_qat,
@@ -197,25 +198,25 @@ def test_grouped_wo_a_is_held_fp8_where_its_groups_keep_their_blocks(tiny_dir, m
 
 
 @pytest.mark.parametrize("T", [1, 5, 130])
-def test_grouped_fp8_linear_is_each_groups_fp8_linear(T):
-    """On the CPU, group g's rows are ``fp8_linear``'s reference over its slice of the matrix."""
+def test_weight_only_wo_a_is_the_einsum_of_the_bf16_matrix(T):
+    """On the CPU, the fp8 wo_a's product is the bf16 path's: the einsum of the heads in bf16 and
+    the matrix dequantised to bf16 (exact: an e4m3 value times a power of two), the same bits."""
     g = torch.Generator().manual_seed(T)
     G, R, K = 4, 256, 384
     w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(G * R, K, generator=g) * K ** -0.5))
     x = torch.randn(T, G, K, generator=g) * torch.logspace(-2, 1, K)
-    got = fp8_grouped_linear(x, w)
-    deq = w.dequantize()
-    for i in range(G):
-        ref = fp8_linear_reference(x[:, i], Fp8Weight(w.q[i * R:(i + 1) * R], w.scale[i * 2:(i + 1) * 2]))
-        assert torch.allclose(got[:, i], ref, rtol=1e-5, atol=1e-5)
-        assert torch.allclose(got[:, i], qdq_act(x[:, i]) @ deq[i * R:(i + 1) * R].t(), rtol=1e-5, atol=1e-5)
+    got = grouped_weight_only_linear(x, w)
+    w16 = dequantize_fp8_blockwise(w.q, w.scale.to(torch.float8_e8m0fnu)).to(torch.bfloat16)
+    assert torch.equal(w16.float(), w.dequantize())  # widening to bf16 loses nothing
+    bf16_path = torch.einsum("tgd,grd->tgr", x.to(torch.bfloat16), w16.view(G, R, K)).to(x.dtype)
+    assert got.dtype == x.dtype and torch.equal(got, bf16_path)
     with pytest.raises(ValueError, match="does not split into 3 groups"):
-        fp8_grouped_linear(x[:, :3], w)
+        grouped_weight_only_linear(x[:, :3], w)
 
 
-def test_attention_output_with_fp8_wo_a_is_the_dequantised_one_of_quantised_heads(tiny_dir, monkeypatch):
-    """``ops.attention_output`` over an fp8 ``wo_a``: the bf16-matrix path's result where the
-    heads after the inverse rotation are quantised as V4's QAT does (the only difference)."""
+def test_attention_output_with_fp8_wo_a_is_the_bf16_wo_a_one(tiny_dir):
+    """``ops.attention_output`` over an fp8 ``wo_a`` gives the bits of the same matrix held bf16
+    (the loader's widening; the heads are not quantised: V4's wo_a is a bf16 einsum)."""
     cfg = load_checkpoint(tiny_dir).config
     g = torch.Generator().manual_seed(1)
     G, R, K = cfg.o_groups, cfg.o_lora_rank, cfg.num_attention_heads * cfg.head_dim // cfg.o_groups
@@ -224,9 +225,8 @@ def test_attention_output_with_fp8_wo_a_is_the_dequantised_one_of_quantised_head
     o = torch.randn(3, cfg.num_attention_heads, cfg.head_dim, generator=g)
     rope = ops.rope_at(torch.tensor([5, 900, 4000]), ops.layer_inv_freqs(cfg, 4))
     got = ops.attention_output(o, {"attn.wo_a.weight": wq, "attn.wo_b.weight": wo_b}, rope, cfg)
-    turned = ops.apply_rope(o, rope, inverse=True).reshape(3, G, K)
-    z = torch.einsum("tgk,grk->tgr", qdq_act(turned.reshape(3 * G, K)).view(3, G, K), wq.dequantize().view(G, R, K))
-    assert torch.allclose(got, z.flatten(1) @ wo_b.t(), rtol=1e-4, atol=1e-5)
+    held_bf16 = {"attn.wo_a.weight": wq.dequantize(torch.bfloat16), "attn.wo_b.weight": wo_b}
+    assert torch.equal(got, ops.attention_output(o, held_bf16, rope, cfg))
 
 
 # ---- mode selection and the flag -----------------------------------------------------------------
@@ -459,36 +459,44 @@ def test_triton_kernel_interpreted(triton_interpreted):
     assert worst < 1e-5, worst
 
 
-_GROUPED_LINEAR = r"""
+_WEIGHT_ONLY = r"""
 import torch
-import sglang_dsv4.kernels.fp8_linear as fl
-from sglang_dsv4.kernels.fp8_linear import Fp8Weight, fp8_grouped_linear
+from sglang_dsv4.kernels import fp8_weight_only as wo
+from sglang_dsv4.kernels.fp8_linear import Fp8Weight
 from sglang_dsv4.quant import quantize_fp8_blockwise
 torch.manual_seed(0)
 worst = 0.0
-# 16-row blocks (1, 20 tokens) and 64-row ones (40); K of 8 blocks over few tiles splits (split_k)
+# row blocks of 16 (1, 20 tokens) and 64 (40); K of 8 blocks over few tiles splits (split_k);
+# the heads a strided view (x[:, ::2]); forced splits of 1 and 3 (the harness's override); the
+# product swapped (the default) and not
 for T, G, R, K in [(1, 2, 128, 256), (20, 3, 256, 1024), (40, 2, 128, 384)]:
     w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(G * R, K) * K ** -0.5))
-    x = torch.randn(T, G, K)
-    got = fp8_grouped_linear(x, w)
-    fl.INTERPRET = False  # the reference
-    ref = fp8_grouped_linear(x, w)
-    fl.INTERPRET = True
-    assert got.shape == ref.shape == (T, G, R)
-    worst = max(worst, ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
+    x = torch.randn(T, 2 * G, K).to(torch.bfloat16)[:, ::2]
+    ref = wo.grouped_weight_only_reference(x, w).float()
+    exact = torch.einsum("tgk,grk->tgr", x.double(), w.dequantize(torch.float64).view(G, R, K))
+    ulp = exact.abs().clamp_min(exact.abs().amax(-1, keepdim=True) * 1e-3) * 2.0 ** -7  # bf16's spacing <= this
+    for splits, swap in ((None, True), (1, True), (3, True), (None, False), (3, False)):
+        got = wo.grouped_weight_only(x, w, splits=splits, config=dict(wo.launch_config(T), SWAP_AB=swap))
+        assert got.shape == (T, G, R) and got.dtype == torch.bfloat16
+        # rounded once (half a spacing, and the fp32 sums' error), one spacing from the einsum's
+        worst = max(worst, ((got.double() - exact).abs() / ulp).max().item() - 0.51,
+                    ((got.float() - ref).abs().double() / ulp).max().item() - 1.01)
     # traced (the fused regions): through the op, no graph break, the eager bits
     torch._dynamo.reset()
-    traced = torch.compile(lambda a: fp8_grouped_linear(a, w) + 1, backend="aot_eager", fullgraph=True)(x)
-    worst += float(not torch.equal(traced, got + 1))
+    eager = wo.grouped_weight_only_linear(x, w)
+    traced = torch.compile(lambda a: wo.grouped_weight_only_linear(a, w) + 1, backend="aot_eager",
+                           fullgraph=True)(x)
+    worst += float(not torch.equal(traced, eager + 1))
 print("WORST", worst)
 """
 
 
-def test_grouped_fp8_linear_interpreted(triton_interpreted):
-    """``fp8_grouped_linear``'s launch (each group a block-aligned "expert" of the grouped GEMM,
-    the rows padded per group) gives the reference's rows, and traced without a graph break
-    (``ops.attention_output`` is a fused region) the eager bits."""
-    assert triton_interpreted(_GROUPED_LINEAR) < 1e-5
+def test_weight_only_wo_a_interpreted(triton_interpreted):
+    """The weight-only kernel (``fp8_weight_only``: group g's heads read in place, the fp8 matrix
+    widened to bf16) within one bf16 rounding of the exact product and of the einsum, at each
+    K split; traced without a graph break (``ops.attention_output`` is a fused region), the
+    eager bits."""
+    assert triton_interpreted(_WEIGHT_ONLY) <= 0
 
 
 _SWIGLU_EPILOGUE = r"""

@@ -54,7 +54,7 @@ print("WORST", worst)
 
 @pytest.mark.parametrize("fma_mix", [False, True])
 def test_the_kernel_gives_the_torch_ops_boundary(triton_interpreted, fma_mix):
-    """The mixes as launch 1's tl.dot (the default) and as its column FMAs (``FMA_MIX``)."""
+    """The mixes as launch 1's tl.dot and as its column FMAs (``FMA_MIX``, the default)."""
     cases = _CASES.replace("kernel.ENABLED = True\n", f"kernel.ENABLED = True\nkernel.FMA_MIX = {fma_mix}\n", 1)
     assert cases != _CASES  # the switch line went in: else both cases would run the default mixes
     assert triton_interpreted(cases) < 2e-6  # fp32: other summation orders

@@ -37,7 +37,7 @@ def _case(T: int, seed: int, D: int = 4096):
 @pytest.mark.parametrize("T", [1, 64, 256])
 @pytest.mark.parametrize("kind", ["attention", "moe", "first"])
 def test_the_kernel_gives_the_torch_ops_boundary(T, kind, fma_mix, monkeypatch):
-    """The mixes as launch 1's tl.dot (the default) and as its column FMAs (``FMA_MIX``)."""
+    """The mixes as launch 1's tl.dot and as its column FMAs (``FMA_MIX``, the default)."""
     monkeypatch.setattr(kernel, "FMA_MIX", fma_mix)
     cfg, h, (f, post, comb, f_plus), (fn, base, scale, norm) = _case(T, T)
     done = None if kind == "first" else ops.SublayerOutput(f, post, comb, f_plus if kind == "moe" else None)
