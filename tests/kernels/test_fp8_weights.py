@@ -22,7 +22,6 @@ from sglang_dsv4.kernels import fp8_linear, fp8_moe, weight_mode
 from sglang_dsv4.kernels.fp8_linear import (Fp8Weight, dequantize_act, fp8_linear_reference,
                                             qdq_act, quantize_act)
 from sglang_dsv4.kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
-from sglang_dsv4.kernels.fp8_weight_only import grouped_weight_only_linear
 from sglang_dsv4.kernels.weight_mode import WeightModeError, select_weight_mode
 from sglang_dsv4.launch_server import build_command, dsv4_arguments
 from sglang_dsv4.quant import (dequantize_fp4_packed, dequantize_fp8_blockwise, fp4_to_fp8_blockwise, fp8_qat,
@@ -195,23 +194,6 @@ def test_grouped_wo_a_is_held_fp8_where_its_groups_keep_their_blocks(tiny_dir, m
     layers = sum(s.name.endswith("attn.wo_a.weight") for s in checkpoint_tensors(tiny.config))  # the MTP's too
     assert layers == tiny.config.num_hidden_layers + 1
     assert weight_bytes(tiny.config, "fp8").dense - on == layers * (2 * n - n - n // 128 ** 2)
-
-
-@pytest.mark.parametrize("T", [1, 5, 130])
-def test_weight_only_wo_a_is_the_einsum_of_the_bf16_matrix(T):
-    """On the CPU, the fp8 wo_a's product is the bf16 path's: the einsum of the heads in bf16 and
-    the matrix dequantised to bf16 (exact: an e4m3 value times a power of two), the same bits."""
-    g = torch.Generator().manual_seed(T)
-    G, R, K = 4, 256, 384
-    w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(G * R, K, generator=g) * K ** -0.5))
-    x = torch.randn(T, G, K, generator=g) * torch.logspace(-2, 1, K)
-    got = grouped_weight_only_linear(x, w)
-    w16 = dequantize_fp8_blockwise(w.q, w.scale.to(torch.float8_e8m0fnu)).to(torch.bfloat16)
-    assert torch.equal(w16.float(), w.dequantize())  # widening to bf16 loses nothing
-    bf16_path = torch.einsum("tgd,grd->tgr", x.to(torch.bfloat16), w16.view(G, R, K)).to(x.dtype)
-    assert got.dtype == x.dtype and torch.equal(got, bf16_path)
-    with pytest.raises(ValueError, match="does not split into 3 groups"):
-        grouped_weight_only_linear(x[:, :3], w)
 
 
 def test_attention_output_with_fp8_wo_a_is_the_bf16_wo_a_one(tiny_dir):
@@ -457,46 +439,6 @@ print("WORST", worst)
 def test_triton_kernel_interpreted(triton_interpreted):
     worst = triton_interpreted(_INTERPRETED)
     assert worst < 1e-5, worst
-
-
-_WEIGHT_ONLY = r"""
-import torch
-from sglang_dsv4.kernels import fp8_weight_only as wo
-from sglang_dsv4.kernels.fp8_linear import Fp8Weight
-from sglang_dsv4.quant import quantize_fp8_blockwise
-torch.manual_seed(0)
-worst = 0.0
-# row blocks of 16 (1, 20 tokens) and 64 (40); K of 8 blocks over few tiles splits (split_k);
-# the heads a strided view (x[:, ::2]); forced splits of 1 and 3 (the harness's override); the
-# product swapped (the default) and not
-for T, G, R, K in [(1, 2, 128, 256), (20, 3, 256, 1024), (40, 2, 128, 384)]:
-    w = Fp8Weight.from_checkpoint(*quantize_fp8_blockwise(torch.randn(G * R, K) * K ** -0.5))
-    x = torch.randn(T, 2 * G, K).to(torch.bfloat16)[:, ::2]
-    ref = wo.grouped_weight_only_reference(x, w).float()
-    exact = torch.einsum("tgk,grk->tgr", x.double(), w.dequantize(torch.float64).view(G, R, K))
-    ulp = exact.abs().clamp_min(exact.abs().amax(-1, keepdim=True) * 1e-3) * 2.0 ** -7  # bf16's spacing <= this
-    for splits, swap in ((None, True), (1, True), (3, True), (None, False), (3, False)):
-        got = wo.grouped_weight_only(x, w, splits=splits, config=dict(wo.launch_config(T), SWAP_AB=swap))
-        assert got.shape == (T, G, R) and got.dtype == torch.bfloat16
-        # rounded once (half a spacing, and the fp32 sums' error), one spacing from the einsum's
-        worst = max(worst, ((got.double() - exact).abs() / ulp).max().item() - 0.51,
-                    ((got.float() - ref).abs().double() / ulp).max().item() - 1.01)
-    # traced (the fused regions): through the op, no graph break, the eager bits
-    torch._dynamo.reset()
-    eager = wo.grouped_weight_only_linear(x, w)
-    traced = torch.compile(lambda a: wo.grouped_weight_only_linear(a, w) + 1, backend="aot_eager",
-                           fullgraph=True)(x)
-    worst += float(not torch.equal(traced, eager + 1))
-print("WORST", worst)
-"""
-
-
-def test_weight_only_wo_a_interpreted(triton_interpreted):
-    """The weight-only kernel (``fp8_weight_only``: group g's heads read in place, the fp8 matrix
-    widened to bf16) within one bf16 rounding of the exact product and of the einsum, at each
-    K split; traced without a graph break (``ops.attention_output`` is a fused region), the
-    eager bits."""
-    assert triton_interpreted(_WEIGHT_ONLY) <= 0
 
 
 _SWIGLU_EPILOGUE = r"""
