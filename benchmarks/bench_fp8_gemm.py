@@ -210,8 +210,8 @@ WO_A = (8, 1024, 4096)  # V4-Flash's wo_a: o_groups x o_lora_rank x (heads x hea
 def wo_a_table(tokens: list[int], reps: int, bw: float, g: torch.Generator, stages: list[int]) -> None:
     """V4-Flash's grouped wo_a (``ops.attention_output``): bf16 weights through the model's einsum
     against fp8 weights through the weight-only kernel (``fp8_weight_only``, ``SGLANG_DSV4_WO_A_FP8=1``),
-    side by side, then the kernel's launches (BLOCK_M, BLOCK_N, K splits, the product swapped or
-    not, stages), each against its own bytes (the weight read once, over the copy bandwidth), with the
+    side by side, then the kernel's launches (BLOCK_M, BLOCK_N, K splits, stages), each against
+    its own bytes (the weight read once, over the copy bandwidth), with the
     largest difference from the einsum's bf16 result. The shipped launch includes its split-K sum
     (in the model a compiled neighbour adds the partials)."""
     G, R, K = WO_A
@@ -227,13 +227,13 @@ def wo_a_table(tokens: list[int], reps: int, bw: float, g: torch.Generator, stag
         b8 = time_us(lambda: weight_only.grouped_weight_only(x, next(i8)), reps)
         shipped = weight_only.plan(t, G, R, K, x.device)
         differ = (weight_only.grouped_weight_only(x, w8[0]).float() - ref).abs().max().item()
-        best = (b8, f"shipped (n={shipped[0]['BLOCK_N']} S={shipped[3]} swap={shipped[0]['SWAP_AB']})")
+        best = (b8, f"shipped (n={shipped[0]['BLOCK_N']} S={shipped[3]})")
         ship = weight_only.launch_config(t)
-        for swap, bn, n_split, bm in itertools.product((True, False), (64, 128), (1, 2, 4),
-                                                       sorted({ship["BLOCK_M"], min(ship["BLOCK_M"], 32)})):
+        for bn, n_split, bm in itertools.product((64, 128), (1, 2, 4),
+                                                 sorted({ship["BLOCK_M"], min(ship["BLOCK_M"], 32)})):
             for ns in stages:
-                cfg = dict(ship, BLOCK_M=bm, BLOCK_N=bn, SWAP_AB=swap, num_stages=ns)
-                name = f"m={bm} n={bn} S={n_split} swap={int(swap)} s={ns}"
+                cfg = dict(ship, BLOCK_M=bm, BLOCK_N=bn, num_stages=ns)
+                name = f"m={bm} n={bn} S={n_split} s={ns}"
                 try:
                     us = time_us(lambda: weight_only.grouped_weight_only(x, next(i8), config=cfg, splits=n_split),
                                  reps)

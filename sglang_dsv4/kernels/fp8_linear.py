@@ -40,7 +40,8 @@ Tensor = torch.Tensor
 # attn.wo_a held fp8 in the fp8 weight mode and run by ``fp8_weight_only.grouped_weight_only_linear``
 # (read by the loader: ``checkpoint.loader.keeps_fp8``). Its bf16 einsum reads twice the
 # checkpoint's bytes: 30.5 us a layer at batch 64 on an H100 (session 41's flash43 census), against
-# 11.2 us for its fp8 bytes. Opt-in until a step has timed it.
+# 11.2 us for its fp8 bytes. Opt-in: the weight-only kernel is level with the einsum at 1 token
+# and 0.69x at 64 (H100, session 42).
 GROUPED_WO_A = os.environ.get("SGLANG_DSV4_WO_A_FP8", "0") == "1"
 # An activation read by several fp8 GEMMs quantised once, by the kernel or region that makes it
 # (``Fp8Act``): the sublayer inputs by the boundary kernel (``hc_boundary.post_pre``), qr by

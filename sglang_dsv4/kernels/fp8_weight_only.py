@@ -15,6 +15,10 @@ the output tiles are too few to keep the SMs streaming the weight, K is split
 (``fp8_linear.split_k``) into fp32 partials that a compiled caller adds inside its next kernel
 (``fp8_linear.add_splits``), or ``split_k_sum_kernel`` adds in a fixed order. Shapes alone
 decide the launch (CUDA graphs; the deterministic mode's fixed tiles).
+
+Opt-in (``fp8_linear.GROUPED_WO_A``): on an H100 (session 42, ``bench_fp8_gemm --wo-a``) it takes
+22.2 us against the einsum's 24.1 at 1 token but 39-40 against 26.7 at 64 (3.5x its bytes; no tile,
+split or swapped product did better), where cuBLAS reads the bf16 matrix at 1.2x its bytes.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ ACT_DTYPE = torch.bfloat16  # the einsum's operand dtype (the reference's bf16 w
 
 
 def launch_config(T: int) -> dict[str, int]:
-    """The tile launch for T rows: row blocks of 16 / 32 / 64, 64 output columns, the product
-    swapped (``SWAP_AB``), 4 warps, 4 stages (shapes only)."""
+    """The tile launch for T rows: row blocks of 16 / 32 / 64, 64 output columns, 4 warps, 4
+    stages (shapes only): the best of ``bench_fp8_gemm --wo-a``'s 48 launches at 64 tokens and
+    within 3% of it at 1 (H100, session 42; the product swapped, W X^T, measured level and left out)."""
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=FP8_WEIGHT_BLOCK, SWAP_AB=True, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=FP8_WEIGHT_BLOCK, num_warps=4, num_stages=4)
 
 
 def plan(T: int, G: int, R: int, K: int, device: torch.device,

@@ -14,17 +14,15 @@ def grouped_weight_only_kernel(
     stride_xt, stride_xg, stride_wn, stride_wsn, stride_ot, stride_og, stride_os,
     R: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr = False, FP32_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
+    FP32_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Out[s, t, g, n] = sum over K blocks s*KB_PER.. of X[t, g, k] * (W[g R + n, k] * Ws[(g R + n) / 128, k / 128]).
+    """Out[s, t, g, n] = sum over K blocks s*KB_PER.. of X[t, g, k] * dequant(W)[g R + n, k].
 
     X [T, G, K] bf16; W [G R, K] e4m3 with one power-of-two scale per 128x128 block. A weight
     value widened to bf16 is exact, and a power-of-two scale commutes with the fp32 sums, so each
     K block's ``dot(x, w) * scale`` is the bf16 matrix's product (the model's einsum) up to the
     order of the fp32 additions. Program (pid, s): output tile pid (row blocks innermost: the
-    programs that share a weight tile run side by side), K split s. ``SWAP_AB``: the product as
-    Out^T = W X^T, the widened weight tile the dot's first operand (Hopper's wgmma takes that one
-    from registers, the second from shared memory), the rows its narrow side. ``FP32_DOT``: both
+    programs that share a weight tile run side by side), K split s. ``FP32_DOT``: both
     operands widened to fp32 for an IEEE dot (the same exact products and fp32 sums; Triton's
     interpreter, whose bf16 dot is wrong)."""
     await_predecessor(PDL)
@@ -38,41 +36,23 @@ def grouped_weight_only_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < T
     w_rows = (g * R + offs_n).to(tl.int64)
-    if SWAP_AB:  # tiles [BLOCK_K, BLOCK_M] of X^T and [BLOCK_N, BLOCK_K] of W
-        x_ptrs = X + offs_m[None, :].to(tl.int64) * stride_xt + g * stride_xg + offs_k[:, None]
-        w_ptrs = W + w_rows[:, None] * stride_wn + offs_k[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:  # tiles [BLOCK_M, BLOCK_K] of X and [BLOCK_K, BLOCK_N] of W^T
-        x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xt + g * stride_xg + offs_k[None, :]
-        w_ptrs = W + w_rows[None, :] * stride_wn + offs_k[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xt + g * stride_xg + offs_k[None, :]
+    w_ptrs = W + w_rows[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     ws_ptrs = Ws + (w_rows // BLOCK_K) * stride_wsn
     kb_lo = pid_k * KB_PER
     kb_hi = tl.minimum(kb_lo + KB_PER, K // BLOCK_K)
     x_ptrs += kb_lo * BLOCK_K
     w_ptrs += kb_lo * BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
-        ws = tl.load(ws_ptrs + kb)
-        if SWAP_AB:
-            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-            if FP32_DOT:
-                prod = tl.dot(tl.load(w_ptrs).to(tl.float32), x.to(tl.float32), input_precision="ieee")
-            else:
-                prod = tl.dot(tl.load(w_ptrs).to(tl.bfloat16), x)
-            acc += prod * ws[:, None]
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        if FP32_DOT:
+            prod = tl.dot(x.to(tl.float32), tl.load(w_ptrs).to(tl.float32), input_precision="ieee")
         else:
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            if FP32_DOT:
-                prod = tl.dot(x.to(tl.float32), tl.load(w_ptrs).to(tl.float32), input_precision="ieee")
-            else:
-                prod = tl.dot(x, tl.load(w_ptrs).to(tl.bfloat16))
-            acc += prod * ws[None, :]
+            prod = tl.dot(x, tl.load(w_ptrs).to(tl.bfloat16))
+        acc += prod * tl.load(ws_ptrs + kb)[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out_rows = Out + pid_k.to(tl.int64) * stride_os + g * stride_og
-    if SWAP_AB:
-        tl.store(out_rows + offs_m[None, :].to(tl.int64) * stride_ot + offs_n[:, None],
-                 acc.to(Out.dtype.element_ty), mask=m_ok[None, :])
-    else:
-        tl.store(out_rows + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :],
-                 acc.to(Out.dtype.element_ty), mask=m_ok[:, None])
+    out_ptrs = (Out + pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_ot + g * stride_og
+                + offs_n[None, :])
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None])

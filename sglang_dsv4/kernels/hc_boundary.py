@@ -65,8 +65,8 @@ PRECISION = "tf32x3"  # the mixes' tl.dot ("fma": FMA_MIX's column FMAs instead)
 # as fp32 FMAs a column at a time (``_mix_fma``) instead of the TF32x3 dot, whose split operands
 # spill (ncu, H100, session 41: 255 registers a thread, 284K local-memory requests a launch at
 # batch 64). H100, session 42: 128 registers, no spills; launch 1 7.6 -> 5.0 us at batch 1,
-# 11.2 -> 7.2 at 64; the boundary (graph-replayed) 12.5 -> 10.1 and 17.5 -> 13.4 us; its GPU
-# tests (against the torch ops, graph replay) passed
+# 11.2 -> 7.2 at 64; the boundary (graph-replayed) 12.5 -> 10.1 and 17.5 -> 13.4 us; flash43's
+# batch-64 step 17.10 -> 16.74 ms; its GPU tests (against the torch ops, graph replay) passed
 FMA_MIX = os.environ.get("SGLANG_DSV4_HC_FMA_MIX", "1") == "1"
 MIX_WARPS = 4  # launch 1's warps
 FINISH_BLOCK = 512  # dims a launch-2 program normalises (each also runs the token's Sinkhorn)
