@@ -35,6 +35,8 @@
 # INDEX_SWEEP_ARGS: benchmarks/bench_index_scores.py's arguments (e.g. '--batches 64,256'), run after the tests.
 # FP8_SWEEP_ARGS: benchmarks/bench_fp8_gemm.py's arguments (the fp8 GEMM's tile configurations), run
 # after the tests (e.g. FP8_SWEEP_ARGS='--experts 32,8 --dense-tokens 256').
+# NCU_CASES: benchmarks/ncu_kernels.py's cases (e.g. 'dense:wo_b:64,wo_a:64,experts:8:64') under Nsight
+# Compute, after the harnesses: its memory, occupancy and stall sections to $OUT/ncu.txt (NCU_TIMEOUT, 240 s).
 # NO_BENCH=1 skips both bench_decode runs (a call for the tests, the sweep or the profile alone: without
 # it the bench runs its default configs, tiny included, whatever else is asked).
 set -uo pipefail
@@ -71,6 +73,14 @@ if [ -n "${HARNESSES:-}" ]; then  # other harnesses, ';'-separated 'module args'
     echo "--- $h"
     timeout ${HARNESS_TIMEOUT:-150} python3 -m $h 2>&1 | tee -a "$OUT/harnesses.log" | grep "^|\|copy\|Error"
   done
+fi
+if [ -n "${NCU_CASES:-}" ]; then  # what keeps decode-sized kernels from their bytes (benchmarks/ncu_kernels.py)
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  echo "--- ncu $NCU_CASES (${ncu:-no ncu found})"
+  [ -n "$ncu" ] && timeout ${NCU_TIMEOUT:-240} "$ncu" --clock-control none --nvtx --nvtx-include "ncu/" \
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 -m benchmarks.ncu_kernels --cases "$NCU_CASES" > "$OUT/ncu.txt" 2>&1
+  grep "^case \|  [a-z_0-9]*kernel\|Duration\|DRAM Throughput\|Registers Per\|Achieved Occupancy\|L2 Hit" "$OUT/ncu.txt" | head -80
 fi
 if [ -n "${INDEX_SWEEP_ARGS:-}" ]; then  # the indexer-score kernel's tilings (benchmarks/bench_index_scores.py)
   echo "--- bench_index_scores $INDEX_SWEEP_ARGS"
