@@ -81,7 +81,7 @@ def post(path, body):
     return json.load(urllib.request.urlopen(req, timeout=300))
 
 def flush():
-    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST"), timeout=60)
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache?timeout=30", b"", method="POST"), timeout=60)
 
 def generate(ids, stop=None):
     sampling = {"max_new_tokens": 16, "temperature": 0, **({"stop_token_ids": [stop]} if stop is not None else {})}

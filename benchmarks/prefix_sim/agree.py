@@ -66,7 +66,7 @@ class ServerOutputs:
 
 def compare(url: str, seed: int = 7) -> list[tuple[str, int, int]]:
     """(tag, predicted, server) cached tokens for every request of ``short_trace`` (flushes the cache)."""
-    requests.post(url.rstrip("/") + "/flush_cache", timeout=60).raise_for_status()
+    requests.post(url.rstrip("/") + "/flush_cache", params={"timeout": 30}, timeout=60).raise_for_status()
     server = ServerOutputs(url)
     trace: list[Request] = realize(short_trace(seed), server)
     sim = OursSim(1024 * GIB, chunk=SERVER_CHUNK)

@@ -158,7 +158,7 @@ def flush(url: str, timeout: float = 300) -> None:
     refuses (400) while a request is still being released after its last streamed chunk: retry."""
     deadline = time.time() + timeout
     while True:
-        r = requests.post(url.rstrip("/") + "/flush_cache", timeout=120)
+        r = requests.post(url.rstrip("/") + "/flush_cache", params={"timeout": 60}, timeout=120)
         if r.status_code == 200:
             return
         if time.time() > deadline:

@@ -339,7 +339,7 @@ def test_metrics_aborts_evictions_and_idle_pools(servers):
     # with nothing running and the tree flushed, every token slot is back: no entry, no
     # snapshot and no ring may remain (the idle check after the flush refreshes the gauges)
     checks = m["sglang_dsv4:integrity_checks_total"]
-    assert requests.post(on.url + "/flush_cache", timeout=60).status_code == 200
+    assert requests.post(on.url + "/flush_cache", params={"timeout": 30}, timeout=60).status_code == 200
     deadline = time.time() + 30
     while _metrics(on)["sglang_dsv4:integrity_checks_total"] == checks and time.time() < deadline:
         time.sleep(0.5)
