@@ -24,8 +24,8 @@ from ..kernels import route as route_kernel
 from ..kernels import topk as topk_kernel
 from ..kernels.expert_rows import expert_rows
 from ..kernels.fp8_linear import Fp8Act, Fp8Weight, fp8_linear, quantize_act
-from ..kernels.fp8_weight_only import grouped_weight_only_linear
 from ..kernels.fp8_moe import fp8_grouped_experts, stack_fp8_experts
+from ..kernels.fp8_weight_only import grouped_weight_only_linear
 from ..quant import FP8_WEIGHT_BLOCK, fp4_qat, fp8_qat, hadamard
 from .compiled import on_gpu
 from .step import CPU_TOKEN_TILE
