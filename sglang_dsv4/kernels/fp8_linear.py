@@ -260,7 +260,7 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     """
     if not runs_kernel(a_q.device):
         return fp8_gemm_reference(a_q, a_s, w, out_dtype, rows, block_expert, block_m, m)
-    from .fp8_triton import fp8_block_gemm_kernel, split_k_sum_kernel
+    from .fp8_triton import fp8_block_gemm_kernel
 
     grouped = block_expert is not None
     N, K = w.q.shape[-2:]
@@ -287,8 +287,7 @@ def fp8_gemm(a_q: Tensor, a_s: Tensor, w: Fp8Weight, out_dtype: torch.dtype, row
     if splits > 1:
         if not sum_splits:
             return part
-        split_k_sum_kernel[(-(-M * N // SPLIT_K_SUM_BLOCK),)](part, c, M * N, SPLIT_K=splits,
-                                                                      BLOCK=SPLIT_K_SUM_BLOCK, **pdl_options(c))
+        sum_splits_into(part, c)
     return c
 
 
@@ -318,6 +317,16 @@ def _fp8_gemm_shape(a_q: Tensor, a_s: Tensor, wq: Tensor, ws: Tensor, out_dtype:
         if splits > 1:
             return a_q.new_empty(splits, M, N, dtype=torch.float32)
     return a_q.new_empty(M, N, dtype=out_dtype)
+
+
+def sum_splits_into(part: Tensor, out: Tensor) -> None:
+    """``split_k_sum_kernel``: the split-K partials [S, ...] added into ``out`` (their shape less
+    the first dim) in split order, one launch."""
+    from .fp8_triton import split_k_sum_kernel
+
+    n = out.numel()
+    split_k_sum_kernel[(-(-n // SPLIT_K_SUM_BLOCK),)](part, out, n, SPLIT_K=part.shape[0], BLOCK=SPLIT_K_SUM_BLOCK,
+                                                       **pdl_options(out))
 
 
 def add_splits(part: Tensor, out_dtype: torch.dtype) -> Tensor:

@@ -13,8 +13,8 @@ The Triton kernel (``fp8_weight_only_triton``) reads x [T, G, K] in place: group
 strided slices of the heads, so there is nothing to pad, transpose or quantise before it. Where
 the output tiles are too few to keep the SMs streaming the weight, K is split
 (``fp8_linear.split_k``) into fp32 partials that a compiled caller adds inside its next kernel
-(``fp8_linear.add_splits``), or ``split_k_sum_kernel`` adds in a fixed order. Shapes alone
-decide the launch (CUDA graphs; the deterministic mode's fixed tiles).
+(``fp8_linear.add_splits``), or ``fp8_linear.sum_splits_into`` adds in the same order. Shapes
+alone decide the launch (CUDA graphs; the deterministic mode's fixed tiles).
 
 Opt-in (``fp8_linear.GROUPED_WO_A``): on an H100 (session 42, ``bench_fp8_gemm --wo-a``) it takes
 22.2 us against the einsum's 24.1 at 1 token but 39-40 against 26.7 at 64 (3.5x its bytes; no tile,
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import FP8_WEIGHT_BLOCK
-from .fp8_linear import Fp8Weight, add_splits, groups_fit, runs_kernel, sm_count, split_k
+from .fp8_linear import Fp8Weight, add_splits, groups_fit, runs_kernel, sm_count, split_k, sum_splits_into
 from .triton_support import INTERPRET, pdl_options
 
 Tensor = torch.Tensor
@@ -72,7 +72,6 @@ def grouped_weight_only(x: Tensor, w: Fp8Weight, sum_splits: bool = True, config
     """x [T, G, K] (bf16) -> [T, G, R] bf16 by the Triton kernel: group g's rows times
     dequant(w[g R:(g+1) R]).T, summed in fp32. ``sum_splits=False``: where K is split, the fp32
     partials [S, T, G, R] instead (``add_splits``)."""
-    from .fp8_triton import split_k_sum_kernel
     from .fp8_weight_only_triton import grouped_weight_only_kernel
 
     T, G, R, K = _check(x, w)
@@ -96,8 +95,7 @@ def grouped_weight_only(x: Tensor, w: Fp8Weight, sum_splits: bool = True, config
         return part
     if interpreted:
         return add_splits(part, ACT_DTYPE)
-    split_k_sum_kernel[(-(-T * G * R // 1024),)](part, out, T * G * R, SPLIT_K=n_split, BLOCK=1024,
-                                                  **pdl_options(out))
+    sum_splits_into(part, out)
     return out
 
 
@@ -133,10 +131,9 @@ def grouped_weight_only_linear(x: Tensor, w: Fp8Weight) -> Tensor:
     einsum. The kernel on the GPU (and under the interpreter), the einsum elsewhere."""
     if not runs_kernel(x.device):
         return grouped_weight_only_reference(x, w).to(x.dtype)
-    if torch.compiler.is_compiling() and isinstance(x.shape[0], int):
-        out = grouped_weight_only_op(x, w.q, w.scale, sum_splits=False)
-    else:
-        out = grouped_weight_only(x, w, sum_splits=False)
+    if not (torch.compiler.is_compiling() and isinstance(x.shape[0], int)):
+        return grouped_weight_only(x, w).to(x.dtype)  # the sum kernel adds any split partials
+    out = grouped_weight_only_op(x, w.q, w.scale, sum_splits=False)
     return (add_splits(out, ACT_DTYPE) if out.dim() == 4 else out).to(x.dtype)
 
 
